@@ -1,0 +1,41 @@
+# infergate: `make up` serves the example models on a local cluster,
+# `make test` runs the test suite. Both install what they need first.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.infergate-installed
+MODELS_STAMP := models/.built
+
+WORKERS ?= 2
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+PYTEST_ARGS ?=
+
+.PHONY: install models up test bench k8s-check clean
+
+install: $(STAMP) $(MODELS_STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+$(MODELS_STAMP): $(STAMP) models/build.py
+	$(VENV)/bin/infergate models build models
+	@touch $(MODELS_STAMP)
+
+models: $(MODELS_STAMP)
+
+up: install
+	$(VENV)/bin/infergate up --workers $(WORKERS) --model-repository models --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m loadtest.suite --out bench
+
+clean:
+	rm -rf $(VENV) $(MODELS_STAMP) models/*/1/model.onnx .pytest_cache .hypothesis

@@ -1,0 +1,98 @@
+"""The gateway's internal request and response: what both frontends decode
+into and encode from, and what the batcher, router and parallel plans move.
+
+Tensors stay as raw row-major bytes (BYTES tensors in the KServe
+4-byte-length-prefixed form) from the wire to the worker and back; numpy only
+appears where math is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+
+@dataclass(slots=True)
+class Tensor:
+    """One named tensor as raw row-major bytes."""
+
+    name: str
+    datatype: str  # KServe datatype: "FP32", "INT64", "BYTES", ...
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    # HTTP only: send this output in the binary extension rather than as JSON.
+    binary_data: bool | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One client request, after decoding and before validation against the model."""
+
+    model: str
+    version: str  # "" means the model's default version
+    id: str
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput]  # empty means all outputs
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # 0 = the model's default priority level
+    timeout_us: int = 0  # 0 = none; from the request's `timeout` parameter
+    # Absolute time on the gateway's event-loop clock (loop.time()); None = no deadline.
+    deadline: float | None = None
+    # Filled in by the gateway: accept time, rows (dim 0, 1 for unbatched
+    # models) and the time its batch was dispatched (loop clock).
+    arrival: float = 0.0
+    rows: int = 1
+    dispatched: float = 0.0
+
+
+@dataclass(slots=True)
+class InferResponse:
+    model: str
+    version: str
+    id: str
+    outputs: list[Tensor]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+class InferenceCore(Protocol):
+    """What the frontends call. Everything behind it is shared by HTTP and gRPC.
+
+    Errors are raised as ``protos.errors.InferGateError`` subclasses; the
+    frontends convert them at their one error edge.
+    """
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def server_live(self) -> bool: ...
+
+    def server_ready(self) -> bool: ...
+
+    def server_metadata(self) -> service_pb2.ServerMetadataResponse: ...
+
+    def model_ready(self, name: str, version: str = "") -> bool: ...
+
+    def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse: ...
+
+    def model_config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig: ...
+
+    async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse: ...
+
+    async def repository_index(self, ready_only: bool = False) -> service_pb2.RepositoryIndexResponse: ...
+
+    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None: ...
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
+
+
+def new_future() -> asyncio.Future[InferResponse]:
+    return asyncio.get_running_loop().create_future()

@@ -1,0 +1,1 @@
+"""The load-test harness behind ``infergate bench`` and the offline batch jobs."""

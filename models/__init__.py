@@ -1,0 +1,1 @@
+"""The example model repository (Triton layout) and the script that builds it."""

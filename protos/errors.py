@@ -1,0 +1,140 @@
+"""The one error hierarchy of infergate.
+
+Each class carries the HTTP status and the gRPC status code Triton uses for the
+same case, and a message that is safe to show a user. Errors are converted to
+wire responses only at the edges (one aiohttp middleware, one gRPC helper);
+status codes coming back from workers map into the same classes through
+:func:`from_grpc_code`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class InferGateError(Exception):
+    """Base class: an error with a user-safe message and wire status codes."""
+
+    http_status: int = 500
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(InferGateError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ModelNotFound(InferGateError):
+    """Unknown model or version. Triton answers 400 over HTTP, NOT_FOUND over gRPC."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(InferGateError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unavailable(InferGateError):
+    """No healthy replica, model not ready, server shutting down."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class Overloaded(Unavailable):
+    """A bounded queue is full: rejected at once, with a retry hint."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(InferGateError):
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(InferGateError):
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(InferGateError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.CANCELLED
+
+
+class Unauthenticated(InferGateError):
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(InferGateError):
+    http_status = 403
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unsupported(InferGateError):
+    http_status = 501
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class PayloadTooLarge(InferGateError):
+    http_status = 413
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Internal(InferGateError):
+    """Unexpected failure. Its message is generic; the traceback is logged, never returned."""
+
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+
+
+ALL_ERRORS: tuple[type[InferGateError], ...] = (
+    InvalidArgument,
+    ModelNotFound,
+    AlreadyExists,
+    Unavailable,
+    Overloaded,
+    QuotaExceeded,
+    DeadlineExceeded,
+    Cancelled,
+    Unauthenticated,
+    PermissionDenied,
+    Unsupported,
+    PayloadTooLarge,
+    Internal,
+)
+
+_BY_GRPC_CODE: dict[grpc.StatusCode, type[InferGateError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: ModelNotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNIMPLEMENTED: Unsupported,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def from_grpc_code(code: grpc.StatusCode, message: str) -> InferGateError:
+    """Map a status received from a worker (or a Triton server) to our hierarchy."""
+    return _BY_GRPC_CODE.get(code, Internal)(message or code.name)

@@ -1,0 +1,1 @@
+"""Execution backends of the worker: ONNX Runtime and the simulated accelerator."""
