@@ -1,0 +1,207 @@
+"""The gateway's client for one KServe v2 gRPC server: an infergate worker or a
+real Triton Inference Server, spoken to through the same generated stubs.
+
+It owns the channel (one HTTP/2 connection, multiplexed by every caller), the
+per-call metadata and the one place where a worker's gRPC status becomes a
+``protos.errors`` exception. Transport failures (refused, reset, closed
+connection) become :class:`WorkerUnreachable`, an ``Unavailable`` the router
+retries elsewhere and that lets it mark the worker down at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from protos.errors import InferGateError, Unavailable, from_grpc_code
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+# Codes a broken connection surfaces as. UNAVAILABLE is the usual one; a
+# connection torn down mid-call can also end as INTERNAL/UNKNOWN/CANCELLED.
+# They only count as transport failures when the channel has lost its
+# connection too (see WorkerClient._map_error).
+_TRANSPORT_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+)
+
+_Resp = TypeVar("_Resp")
+
+
+class WorkerUnreachable(Unavailable):
+    """The call did not reach the worker, or its connection broke: retryable."""
+
+
+class WorkerClient:
+    """Async client for one worker at ``address`` (``HOST:PORT``).
+
+    ``headers`` go out as gRPC metadata on every call: Triton's restricted
+    protocols (``--grpc-restricted-protocol``) check them on statistics and
+    repository calls, and they cost nothing elsewhere. ``credentials`` makes
+    the channel TLS (mTLS when it carries a client key and certificate).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        kind: str = "infergate",
+        headers: Mapping[str, str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        reconnect_backoff_max_ms: int = 1000,
+    ) -> None:
+        self.address = address
+        self.kind = kind
+        # gRPC metadata keys must be lower case.
+        self._metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in (headers or {}).items())
+        self._credentials = credentials
+        self._options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC's default reconnect backoff grows to two minutes; a worker
+            # that restarts must be reachable again by the next probe.
+            ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
+            ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
+        ]
+        # Made on first use: a grpc.aio channel belongs to the event loop it is
+        # created on, and clients may be built before the gateway's loop runs.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._closed = False
+
+    def _service(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        if self._closed:
+            raise WorkerUnreachable(f"worker {self.address}: client closed")
+        if self._stub is None:
+            if self._credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            else:
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.address!r}, kind={self.kind!r})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def connected(self) -> bool:
+        """Whether the channel holds a live connection right now (no I/O)."""
+        if self._channel is None:
+            return False
+        return self._channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
+    async def _call(
+        self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None
+    ) -> _Resp:
+        try:
+            return await method(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise self._map_error(e) from None
+        except grpc.aio.UsageError as e:
+            # Raised when the channel was closed under a pending call.
+            raise WorkerUnreachable(f"worker {self.address}: {e}") from None
+
+    def _map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
+        code = e.code()
+        details = e.details() or code.name
+        # A worker that answers UNAVAILABLE itself (model not ready, shutting
+        # down) keeps its connection; a dead or unreachable one does not. The
+        # channel leaves READY before the failed call is reported, so its
+        # state tells the two apart without parsing messages.
+        if code in _TRANSPORT_CODES and (self._closed or not self.connected()):
+            return WorkerUnreachable(f"worker {self.address} unreachable: {details}")
+        return from_grpc_code(code, details)
+
+    # ---- inference --------------------------------------------------------
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
+    ) -> service_pb2.ModelInferResponse:
+        return await self._call(self._service().ModelInfer, request, timeout_s)
+
+    # ---- health and metadata ------------------------------------------------
+
+    async def server_live(self, timeout_s: float | None = None) -> bool:
+        response = await self._call(self._service().ServerLive, service_pb2.ServerLiveRequest(), timeout_s)
+        return response.live
+
+    async def server_ready(self, timeout_s: float | None = None) -> bool:
+        response = await self._call(self._service().ServerReady, service_pb2.ServerReadyRequest(), timeout_s)
+        return response.ready
+
+    async def server_metadata(self, timeout_s: float | None = None) -> service_pb2.ServerMetadataResponse:
+        return await self._call(self._service().ServerMetadata, service_pb2.ServerMetadataRequest(), timeout_s)
+
+    async def model_ready(self, name: str, version: str = "", timeout_s: float | None = None) -> bool:
+        request = service_pb2.ModelReadyRequest(name=name, version=version)
+        response = await self._call(self._service().ModelReady, request, timeout_s)
+        return response.ready
+
+    async def model_config(
+        self, name: str, version: str = "", timeout_s: float | None = None
+    ) -> model_config_pb2.ModelConfig:
+        request = service_pb2.ModelConfigRequest(name=name, version=version)
+        response = await self._call(self._service().ModelConfig, request, timeout_s)
+        return response.config
+
+    async def model_metadata(
+        self, name: str, version: str = "", timeout_s: float | None = None
+    ) -> service_pb2.ModelMetadataResponse:
+        request = service_pb2.ModelMetadataRequest(name=name, version=version)
+        return await self._call(self._service().ModelMetadata, request, timeout_s)
+
+    async def model_statistics(
+        self, name: str = "", version: str = "", timeout_s: float | None = None
+    ) -> service_pb2.ModelStatisticsResponse:
+        request = service_pb2.ModelStatisticsRequest(name=name, version=version)
+        return await self._call(self._service().ModelStatistics, request, timeout_s)
+
+    # ---- repository -----------------------------------------------------------
+
+    async def repository_index(
+        self, ready: bool = False, timeout_s: float | None = None
+    ) -> list[service_pb2.RepositoryIndexResponse.ModelIndex]:
+        request = service_pb2.RepositoryIndexRequest(ready=ready)
+        response = await self._call(self._service().RepositoryIndex, request, timeout_s)
+        return list(response.models)
+
+    async def load(
+        self,
+        name: str,
+        parameters: Mapping[str, service_pb2.ModelRepositoryParameter] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        request = service_pb2.RepositoryModelLoadRequest(model_name=name)
+        for key, value in (parameters or {}).items():
+            request.parameters[key].CopyFrom(value)
+        await self._call(self._service().RepositoryModelLoad, request, timeout_s)
+
+    async def unload(
+        self,
+        name: str,
+        parameters: Mapping[str, service_pb2.ModelRepositoryParameter] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        request = service_pb2.RepositoryModelUnloadRequest(model_name=name)
+        for key, value in (parameters or {}).items():
+            request.parameters[key].CopyFrom(value)
+        await self._call(self._service().RepositoryModelUnload, request, timeout_s)
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Close the channel; with ``grace_s``, pending calls get that long to finish."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close(grace=grace_s)
