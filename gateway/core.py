@@ -1,0 +1,217 @@
+"""The gateway's inference core: what both frontends call (``InferenceCore``).
+
+It owns the request path behind the frontends: resolve the model from the
+cluster's view, validate, set the deadline, queue the request in the model's
+batcher, and turn each batch into one routed worker call. It also answers
+metadata, statistics and repository requests from the cluster's view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from protos.errors import InferGateError, Internal, ModelNotFound, Unavailable
+
+from . import __version__, repository
+from .batcher import Batcher, BatchPolicy
+from .cluster import Cluster
+from .config import GatewayConfig
+from .executor import build_batch_request, split_batch_response
+from .router import Router
+from .stats import GatewayStats
+from .types import InferRequest, InferResponse
+from .validation import validate_request
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "classification_unsupported",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "parameters",
+]
+
+
+def _version_key(v: str) -> tuple[int, str]:
+    return (int(v), v) if v.isdigit() else (-1, v)
+
+
+class Gateway:
+    """Implements ``gateway.types.InferenceCore`` over a cluster of workers."""
+
+    def __init__(self, config: GatewayConfig, *, cluster: Cluster | None = None, router: Router | None = None) -> None:
+        self.config = config
+        self.cluster = cluster or Cluster(
+            config.workers,
+            probe_interval_s=config.probe_interval_s,
+            failures_to_down=config.probe_failures_to_down,
+        )
+        self.router = router or Router(
+            self.cluster,
+            max_inflight_per_replica=config.max_inflight_per_replica,
+            retry_limit=config.retry_limit,
+        )
+        self.stats = GatewayStats()
+        self._batchers: dict[tuple[str, str], Batcher] = {}
+        self._accepting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.cluster.start()
+        self._accepting = True
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop taking requests, let queued ones finish within the grace period, close."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self._accepting = False
+        batchers = list(self._batchers.values())
+        self._batchers.clear()
+        if batchers:
+            await asyncio.gather(*(b.close(grace) for b in batchers), return_exceptions=True)
+        await self.cluster.stop()
+
+    # ---- model resolution ------------------------------------------------
+
+    def _model(self, name: str, version: str = "") -> tuple[Any, str]:
+        info = self.cluster.models().get(name)
+        if info is None:
+            if name in self.cluster.known_models():
+                # Known but every replica is down (e.g. a worker restarting): retryable.
+                raise Unavailable(f"model '{name}' has no healthy replica right now")
+            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+        versions = sorted(info.versions, key=_version_key)
+        if version:
+            if version not in versions:
+                raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not found")
+            return info, version
+        return info, (versions[-1] if versions else "")
+
+    async def _batcher(self, name: str, version: str, config: model_config_pb2.ModelConfig) -> Batcher:
+        key = (name, version)
+        batcher = self._batchers.get(key)
+        if batcher is None:
+            policy = BatchPolicy.from_model_config(
+                config,
+                {"max_queue_size": self.config.max_queue_size, **self.config.model_settings(name)},
+                default_mode=self.config.batching_mode,
+            )
+            batched = policy.max_batch_size > 0
+
+            async def dispatch(batch: list[InferRequest]) -> list[InferResponse]:
+                return await self._run_batch(name, version, batch, batched)
+
+            batcher = Batcher(f"{name}:{version}", policy, dispatch, self.router.capacity(name, version))
+            self._batchers[key] = batcher
+            await batcher.start()
+        return batcher
+
+    # ---- inference -------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        request.arrival = now
+        if not self._accepting:
+            raise Unavailable("the gateway is shutting down")
+        info, version = self._model(request.model, request.version)
+        try:
+            rows = validate_request(request, info.metadata, info.config)
+        except InferGateError as e:
+            self.stats.record_failure(request.model, version, 0, type(e).__name__)
+            raise
+        request.version = version
+        timeout_s = request.timeout_us / 1e6 if request.timeout_us else self.config.default_timeout_s
+        deadline = now + timeout_s
+        request.deadline = deadline if request.deadline is None else min(deadline, request.deadline)
+        request.rows = rows
+        batcher = await self._batcher(request.model, version, info.config)
+        try:
+            response = await batcher.submit(request)
+        except InferGateError as e:
+            self.stats.record_failure(request.model, version, int((loop.time() - now) * 1e9), type(e).__name__)
+            raise
+        except asyncio.CancelledError:
+            self.stats.record_failure(request.model, version, int((loop.time() - now) * 1e9), "Cancelled")
+            raise
+        queue_ns = int(max(0.0, request.dispatched - now) * 1e9)
+        self.stats.record_success(request.model, version, rows, int((loop.time() - now) * 1e9), queue_ns)
+        return response
+
+    async def _run_batch(self, name: str, version: str, batch: list[InferRequest], batched: bool) -> list[InferResponse]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for r in batch:
+            r.dispatched = start
+        rows = [r.rows for r in batch]
+        pb = build_batch_request(name, version, batch, rows, batched)
+        deadlines = [r.deadline for r in batch if r.deadline is not None]
+        # The batch may live as long as its most patient member; members whose
+        # deadline passes while queued were dropped by the batcher already.
+        deadline = max(deadlines) if deadlines else None
+        response = await self.router.infer(name, version, pb, deadline)
+        self.stats.record_execution(name, version, sum(rows), int((loop.time() - start) * 1e9))
+        responses = split_batch_response(response, batch, rows, batched)
+        if len(responses) != len(batch):
+            raise Internal(f"batch of {len(batch)} requests produced {len(responses)} responses")
+        return responses
+
+    # ---- health and metadata ----------------------------------------------
+
+    def server_live(self) -> bool:
+        return True
+
+    def server_ready(self) -> bool:
+        return self._accepting and any(True for _ in self.cluster.models())
+
+    def server_metadata(self) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self._model(name, version)
+        except ModelNotFound:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
+        info, _ = self._model(name, version)
+        md = service_pb2.ModelMetadataResponse()
+        md.CopyFrom(info.metadata)
+        md.versions[:] = sorted(info.versions, key=_version_key)
+        return md
+
+    def model_config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig:
+        info, _ = self._model(name, version)
+        return info.config
+
+    async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
+        if name:
+            _, resolved = self._model(name, version)
+            version = resolved
+        known = [(m, max(info.versions, key=_version_key)) for m, info in self.cluster.models().items() if info.versions]
+        return self.stats.to_proto(name, version, known)
+
+    # ---- repository --------------------------------------------------------
+
+    async def repository_index(self, ready_only: bool = False) -> service_pb2.RepositoryIndexResponse:
+        return await repository.merged_index(self.cluster, ready_only)
+
+    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
+        await repository.load(self.cluster, name, parameters)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await repository.unload(self.cluster, name, unload_dependents)
+        for key in [k for k in self._batchers if k[0] == name]:
+            batcher = self._batchers.pop(key)
+            await batcher.close(self.config.shutdown_grace_s)

@@ -1,0 +1,184 @@
+"""``infergate up``: a whole local cluster in one command.
+
+Starts N worker processes on the model repository (each on a free port), a
+gateway in this process in front of them, prints the endpoints, and keeps the
+workers running: a worker that dies is restarted on its port, so the gateway's
+probes bring it back into rotation. Ctrl-C/SIGTERM stops the gateway first
+(draining requests), then the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from contextlib import suppress
+from dataclasses import replace
+from pathlib import Path
+
+from .app import install_event_loop_policy, setup_logging, start_gateway, wait_for_signal, write_ready_file
+from .config import ConfigError, GatewayConfig, WorkerSpec, load_config
+
+log = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 120.0
+RESTART_BACKOFF_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="number of local workers (default 2)")
+    parser.add_argument("--model-repository", default="models", help="model repository for the workers (default models)")
+    parser.add_argument("--host", default=None, help="gateway listen address (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = free port)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (default 8001; 0 = free port)")
+    parser.add_argument("--config", default=None, help="gateway YAML config file")
+    parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None)
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument passed to every worker (repeatable), e.g. --worker-arg=--backend=sim")
+    parser.add_argument("--ready-file", default=None, help="write the endpoints as JSON here once serving")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        with suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalWorker:
+    """One supervised worker subprocess with a stable port."""
+
+    def __init__(self, index: int, repository: str, extra_args: list[str], workdir: Path) -> None:
+        self.index = index
+        self.repository = repository
+        self.extra_args = extra_args
+        self.workdir = workdir
+        self.port = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self.stopping = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        ready = self.workdir / f"worker{self.index}.ready.json"
+        with suppress(FileNotFoundError):
+            ready.unlink()
+        cmd = [
+            sys.executable, "-m", "gateway.cli", "worker",
+            "--model-repository", self.repository,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--ready-file", str(ready), *self.extra_args,
+        ]
+        # Own session: a terminal's Ctrl-C reaches only `up`, which stops the
+        # workers after the gateway has drained. The parent-death signal makes
+        # sure no worker outlives an `up` that was killed outright.
+        self.process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WORKER_START_TIMEOUT_S
+        while not ready.exists():
+            if self.process.returncode is not None:
+                raise RuntimeError(f"worker {self.index} exited with {self.process.returncode} while starting")
+            if loop.time() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"worker {self.index} not ready after {WORKER_START_TIMEOUT_S:.0f}s")
+            # Polling a condition (the ready file); the worker writes it once it serves.
+            await asyncio.sleep(0.05)
+        self.port = int(json.loads(ready.read_text())["grpc_port"])
+
+    async def supervise(self) -> None:
+        """Restart the worker on its port whenever it exits unexpectedly."""
+        while not self.stopping:
+            assert self.process is not None
+            rc = await self.process.wait()
+            if self.stopping:
+                return
+            log.warning("worker %d (%s) exited with %s; restarting", self.index, self.address, rc)
+            await asyncio.sleep(RESTART_BACKOFF_S)
+            try:
+                await self.start()
+            except RuntimeError as e:
+                log.error("restarting worker %d failed: %s", self.index, e)
+                await asyncio.sleep(RESTART_BACKOFF_S * 4)
+
+    async def stop(self, timeout_s: float) -> None:
+        self.stopping = True
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("worker %d did not stop in %.0fs; killing it", self.index, timeout_s)
+            proc.kill()
+            await proc.wait()
+
+
+async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
+    workers = [LocalWorker(i, args.model_repository, args.worker_arg, workdir) for i in range(args.workers)]
+    supervisors: set[asyncio.Task[None]] = set()
+    running = None
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+        config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
+        running = await start_gateway(config)
+        for w in workers:
+            task = asyncio.create_task(w.supervise(), name=f"supervise-worker-{w.index}")
+            supervisors.add(task)
+            task.add_done_callback(supervisors.discard)
+        endpoints = {
+            "http_port": running.http_port,
+            "grpc_port": running.grpc_port,
+            "gateway_pid": os.getpid(),
+            "workers": [{"address": w.address, "pid": w.process.pid if w.process else None} for w in workers],
+        }
+        write_ready_file(args.ready_file, endpoints)
+        host = config.host
+        print(
+            f"infergate is up: HTTP http://{host}:{running.http_port}  gRPC {host}:{running.grpc_port}  "
+            f"workers: {', '.join(w.address for w in workers)}\n"
+            f"  try: curl -s http://{host}:{running.http_port}/v2/models/simple\n"
+            "  Ctrl-C stops everything.",
+            flush=True,
+        )
+        await wait_for_signal()
+        log.info("stopping the local cluster")
+        return 0
+    finally:
+        for w in workers:
+            w.stopping = True
+        if running is not None:
+            await running.stop(config.shutdown_grace_s)
+        for task in list(supervisors):
+            task.cancel()
+        await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.workers < 0:
+        print("infergate up: --workers must be >= 0", file=sys.stderr)
+        return 2
+    if not Path(args.model_repository).is_dir():
+        print(f"infergate up: model repository {args.model_repository!r} is not a directory "
+              "(build the examples with `infergate models build`)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config, host=args.host, http_port=args.http_port,
+                             grpc_port=args.grpc_port, batching_mode=args.batching_mode)
+    except ConfigError as e:
+        print(f"infergate up: {e}", file=sys.stderr)
+        return 2
+    install_event_loop_policy()
+    return asyncio.run(serve(args, config))
