@@ -1,0 +1,138 @@
+"""The seam between the worker and whatever executes a model, and the registry
+that names the implementations (``--backend onnx``, ``--backend sim``).
+
+A backend turns a model directory plus its ``ModelConfig`` into
+:class:`ModelInstance` objects, one per execution instance of the config's
+``instance_group``. The worker never calls a model synchronously: it awaits
+``ModelInstance.infer``, so a backend that computes in threads (ONNX Runtime)
+and one that only awaits a timer (the simulated accelerator) look the same.
+
+``complete_config`` and ``load`` block (file I/O, graph optimisation) and are
+called from a thread by the model manager, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from protos.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+DeviceKind = Literal["cpu", "cuda"]
+DeviceRequest = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one model instance runs: the CPU, or one CUDA device by ordinal."""
+
+    kind: DeviceKind
+    device_id: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.device_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """Process-wide settings every backend receives; built once from the CLI."""
+
+    device: DeviceRequest = "auto"
+    # Threads one instance may use for one execution; 0 lets the backend choose
+    # so that (concurrent executions x intra-op threads) <= cores.
+    intra_op_threads: int = 0
+    # How many executions may run at once across all models; 0 = backend default.
+    execution_threads: int = 0
+    # Free-form ``--backend-option KEY=VALUE`` pairs for a backend's own knobs.
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+class ModelInstance(Protocol):
+    """One loaded execution instance of one model version.
+
+    ``infer`` may be called again only after the previous call on the same
+    instance has returned: the model manager hands each instance to one request
+    at a time, the way Triton runs one execution per instance.
+    """
+
+    placement: Placement
+
+    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Run one batch; returns exactly the ``output_names`` arrays."""
+        ...
+
+    def close(self) -> None:
+        """Release the instance's memory (device memory above all) now."""
+        ...
+
+
+class Backend(Protocol):
+    name: str  # the config's ``backend`` value this backend serves, e.g. "onnxruntime"
+    platform: str  # the config's ``platform`` value, e.g. "onnxruntime_onnx"
+    default_model_filename: str
+
+    def gpu_count(self) -> int:
+        """CUDA devices this backend can really use (0 when it runs on the CPU only)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the startup log: what executes models (providers, devices)."""
+        ...
+
+    def complete_config(self, config: mc.ModelConfig, version_dir: Path) -> mc.ModelConfig:
+        """Fill what the config leaves out (inputs, outputs, batching) from the model file,
+        and check that what it states agrees with the file. Raises InvalidArgument."""
+        ...
+
+    def load(self, model_dir: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement) -> ModelInstance:
+        """Create one instance. Raises InvalidArgument when the model cannot be loaded."""
+        ...
+
+    def close(self) -> None:
+        """Stop the backend's threads; called once, after every instance is closed."""
+        ...
+
+
+BackendFactory = Callable[[BackendOptions], Backend]
+
+# name -> "module:function" (imported on first use, so a backend's heavy
+# imports are paid only by the processes that choose it) or a factory.
+_REGISTRY: dict[str, str | BackendFactory] = {
+    "onnx": "workers.backends.onnx:create_backend",
+    "sim": "workers.backends.sim:create_backend",
+}
+
+
+def register_backend(name: str, factory: str | BackendFactory) -> None:
+    """Make ``--backend NAME`` available; ``factory`` is a callable or "module:function"."""
+    _REGISTRY[name] = factory
+
+
+def backend_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_backend(name: str, options: BackendOptions) -> Backend:
+    """Build the backend registered under ``name``. Raises InvalidArgument if unknown."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise InvalidArgument(f"unknown backend {name!r}; available: {', '.join(backend_names())}")
+    if isinstance(factory, str):
+        module_name, _, attr = factory.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            raise InvalidArgument(f"backend {name!r} is not installed (no module {module_name})") from None
+        factory = getattr(module, attr)
+    return factory(options)

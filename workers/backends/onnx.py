@@ -1,0 +1,265 @@
+"""The ONNX Runtime backend: device choice, config auto-complete, sessions.
+
+Each model instance is one ``InferenceSession``. ``session.run`` releases the
+GIL, so executions run on one bounded thread pool shared by every model of the
+process: its size times the intra-op threads of a session stays within the
+cores, so concurrent executions never oversubscribe the CPU. The event loop
+only awaits the pool.
+
+Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
+provider *and* the CUDA driver reports a device (see ``workers.devices``);
+otherwise the CPU provider runs everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+from tritonclient.grpc import model_config_pb2 as mc
+
+from protos.errors import InvalidArgument
+from workers.backends.base import BackendOptions, Placement
+from workers.devices import cpu_count, cuda_device_count
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "onnxruntime"
+PLATFORM = "onnxruntime_onnx"
+DEFAULT_MODEL_FILENAME = "model.onnx"
+# Triton's default for auto-completed batchable models (its `default-max-batch-size`).
+DEFAULT_MAX_BATCH_SIZE = 4
+_CUDA = "CUDAExecutionProvider"
+_CPU = "CPUExecutionProvider"
+
+_CONFIG_TYPES: dict[int, int] = {
+    onnx.TensorProto.BOOL: mc.TYPE_BOOL,
+    onnx.TensorProto.UINT8: mc.TYPE_UINT8,
+    onnx.TensorProto.UINT16: mc.TYPE_UINT16,
+    onnx.TensorProto.UINT32: mc.TYPE_UINT32,
+    onnx.TensorProto.UINT64: mc.TYPE_UINT64,
+    onnx.TensorProto.INT8: mc.TYPE_INT8,
+    onnx.TensorProto.INT16: mc.TYPE_INT16,
+    onnx.TensorProto.INT32: mc.TYPE_INT32,
+    onnx.TensorProto.INT64: mc.TYPE_INT64,
+    onnx.TensorProto.FLOAT16: mc.TYPE_FP16,
+    onnx.TensorProto.FLOAT: mc.TYPE_FP32,
+    onnx.TensorProto.DOUBLE: mc.TYPE_FP64,
+    onnx.TensorProto.STRING: mc.TYPE_STRING,
+    onnx.TensorProto.BFLOAT16: mc.TYPE_BF16,
+}
+
+
+def default_intra_op_threads(cores: int, device: str) -> int:
+    """A quarter of the cores (at least 1) on the CPU: a few executions in parallel,
+    each with a few threads. One on CUDA, where the CPU only feeds the device."""
+    return 1 if device == "cuda" else max(1, cores // 4)
+
+
+class OnnxInstance:
+    """One ONNX Runtime session, run on the backend's shared thread pool."""
+
+    def __init__(self, session: ort.InferenceSession, placement: Placement, executor: ThreadPoolExecutor) -> None:
+        self.placement = placement
+        self._session = session
+        self._executor = executor
+
+    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names))
+
+    def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        session = self._session
+        if session is None:  # closed by a forced unload while this call was queued
+            raise InvalidArgument("model instance was unloaded")
+        try:
+            values = session.run(output_names, dict(inputs))
+        except ort_errors.InvalidArgument as exc:
+            # Bad values the checks upstream cannot see (e.g. an index out of range).
+            raise InvalidArgument(f"onnx runtime error: {exc}") from None
+        return dict(zip(output_names, values))
+
+    def close(self) -> None:
+        # A run already on a thread holds its own reference, so the session's
+        # memory goes when that run returns; nothing new can start on it.
+        self._session = None  # type: ignore[assignment]
+
+
+class OnnxBackend:
+    name = BACKEND_NAME
+    platform = PLATFORM
+    default_model_filename = DEFAULT_MODEL_FILENAME
+
+    def __init__(self, options: BackendOptions) -> None:
+        available = ort.get_available_providers()
+        cuda_ready = _CUDA in available and cuda_device_count() > 0
+        if options.device == "cuda" and not cuda_ready:
+            why = "this ONNX Runtime has no CUDA provider" if _CUDA not in available else "no CUDA device is usable"
+            raise InvalidArgument(f"--device cuda: {why}")
+        self.device = "cuda" if options.device in ("auto", "cuda") and cuda_ready else "cpu"
+        self._gpu_count = cuda_device_count() if self.device == "cuda" else 0
+        cores = cpu_count()
+        self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device)
+        self.execution_threads = options.execution_threads or max(1, cores // self.intra_op_threads)
+        self.default_max_batch_size = int(options.extra.get("default_max_batch_size", DEFAULT_MAX_BATCH_SIZE))
+        self.providers = [_CUDA, _CPU] if self.device == "cuda" else [_CPU]
+        self._executor = ThreadPoolExecutor(max_workers=self.execution_threads, thread_name_prefix="onnx-exec")
+
+    def gpu_count(self) -> int:
+        return self._gpu_count
+
+    def describe(self) -> str:
+        gpus = f", {self._gpu_count} GPU(s)" if self._gpu_count else ""
+        return (
+            f"providers: {', '.join(self.providers)}{gpus}; "
+            f"{self.execution_threads} execution threads x {self.intra_op_threads} intra-op threads"
+        )
+
+    # --- config -----------------------------------------------------------
+
+    def complete_config(self, config: mc.ModelConfig, version_dir: Path) -> mc.ModelConfig:
+        if config.backend and config.backend != BACKEND_NAME:
+            raise InvalidArgument(f"model '{config.name}' asks for backend '{config.backend}'; this worker runs '{BACKEND_NAME}'")
+        if config.platform and config.platform != PLATFORM:
+            raise InvalidArgument(f"model '{config.name}' has platform '{config.platform}'; this worker runs '{PLATFORM}'")
+        config.backend = BACKEND_NAME
+        config.platform = PLATFORM
+        graph = _read_graph(version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME))
+        initializers = {t.name for t in graph.initializer}
+        model_inputs = {v.name: v for v in graph.input if v.name not in initializers}
+        model_outputs = {v.name: v for v in graph.output}
+        if (
+            config.max_batch_size == 0
+            and not config.input
+            and not config.output
+            and all(_batchable(v) for v in (*model_inputs.values(), *model_outputs.values()))
+        ):
+            config.max_batch_size = self.default_max_batch_size
+        batched = config.max_batch_size > 0
+        if not config.input:
+            for value in model_inputs.values():
+                config.input.add(name=value.name, data_type=_config_type(value), dims=_dims(value, batched, config.name))
+        if not config.output:
+            for value in model_outputs.values():
+                config.output.add(name=value.name, data_type=_config_type(value), dims=_dims(value, batched, config.name))
+        for tensor in config.input:
+            _check_against_model(config, tensor, model_inputs, "input")
+        for tensor in config.output:
+            _check_against_model(config, tensor, model_outputs, "output")
+        declared = {t.name for t in config.input}
+        missing = [name for name in model_inputs if name not in declared]
+        if missing:
+            raise InvalidArgument(f"model '{config.name}': config lists no input {missing}, which the model needs")
+        return config
+
+    # --- instances ----------------------------------------------------------
+
+    def load(self, model_dir: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement) -> OnnxInstance:
+        path = version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
+        if not path.is_file():
+            raise InvalidArgument(f"model file {path.name} not found in version {version_dir.name}")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.intra_op_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle intra-op threads sleep instead of spinning: several sessions share
+        # the cores, and a spinning pool steals them from the others.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if placement.kind == "cuda":
+            providers: list[str | tuple[str, dict[str, str]]] = [(_CUDA, {"device_id": str(placement.device_id)}), _CPU]
+        else:
+            providers = [_CPU]
+        try:
+            session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # ONNX Runtime raises its own exception types for bad files.
+            raise InvalidArgument(f"ONNX Runtime cannot load {version_dir.name}/{path.name}: {exc}") from None
+        used = session.get_providers()
+        if placement.kind == "cuda" and _CUDA not in used:
+            logger.warning("model %s: CUDA provider unavailable for %s, running on %s", config.name, placement, used)
+        logger.debug("model %s version %s: session on %s (%s)", config.name, version_dir.name, placement, used)
+        return OnnxInstance(session, placement, self._executor)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_graph(path: Path) -> onnx.GraphProto:
+    if not path.is_file():
+        raise InvalidArgument(f"model file {path.parent.name}/{path.name} not found")
+    try:
+        return onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # protobuf DecodeError and friends: an unreadable file.
+        raise InvalidArgument(f"{path.parent.name}/{path.name} is not a valid ONNX model: {exc}") from None
+
+
+def _shape(value: onnx.ValueInfoProto) -> list[int] | None:
+    """Dims with -1 for symbolic or unknown ones; None when the rank is unknown."""
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
+
+
+def _batchable(value: onnx.ValueInfoProto) -> bool:
+    shape = _shape(value)
+    return bool(shape) and shape[0] == -1  # type: ignore[index]
+
+
+def _config_type(value: onnx.ValueInfoProto) -> int:
+    elem = value.type.tensor_type.elem_type
+    if elem not in _CONFIG_TYPES:
+        raise InvalidArgument(f"tensor '{value.name}' has ONNX type {onnx.TensorProto.DataType.Name(elem)}, which is not supported")
+    return _CONFIG_TYPES[elem]
+
+
+def _dims(value: onnx.ValueInfoProto, batched: bool, model: str) -> list[int]:
+    shape = _shape(value)
+    if shape is None:
+        raise InvalidArgument(f"model '{model}': tensor '{value.name}' has no shape in the ONNX file; list it in config.pbtxt")
+    if batched:
+        if not shape or shape[0] != -1:
+            raise InvalidArgument(f"model '{model}': max_batch_size > 0 but tensor '{value.name}' has a fixed first dim {shape[:1]}")
+        return shape[1:]
+    return shape
+
+
+def _check_against_model(
+    config: mc.ModelConfig,
+    tensor: mc.ModelInput | mc.ModelOutput,
+    model_tensors: Mapping[str, onnx.ValueInfoProto],
+    role: str,
+) -> None:
+    """What config.pbtxt states must agree with the ONNX file, or the load fails (as in Triton)."""
+    value = model_tensors.get(tensor.name)
+    if value is None:
+        raise InvalidArgument(f"model '{config.name}': unexpected {role} '{tensor.name}'; the model has {sorted(model_tensors)}")
+    if tensor.HasField("reshape"):
+        raise InvalidArgument(f"model '{config.name}': {role} '{tensor.name}' uses reshape, which this worker does not support")
+    if tensor.data_type != _config_type(value):
+        raise InvalidArgument(
+            f"model '{config.name}': {role} '{tensor.name}' is {mc.DataType.Name(tensor.data_type)} in the config "
+            f"but {mc.DataType.Name(_config_type(value))} in the model"
+        )
+    shape = _shape(value)
+    if shape is None:
+        return
+    expected = ([-1] if config.max_batch_size > 0 else []) + list(tensor.dims)
+    if len(shape) != len(expected) or any(m != -1 and c != -1 and m != c for m, c in zip(shape, expected)):
+        raise InvalidArgument(
+            f"model '{config.name}': {role} '{tensor.name}' has dims {list(tensor.dims)} in the config "
+            f"(max_batch_size {config.max_batch_size}) but shape {shape} in the model"
+        )
+    if config.max_batch_size > 0 and shape[0] != -1:
+        raise InvalidArgument(f"model '{config.name}': max_batch_size > 0 but {role} '{tensor.name}' has a fixed first dim {shape[0]}")
+
+
+def create_backend(options: BackendOptions) -> OnnxBackend:
+    return OnnxBackend(options)

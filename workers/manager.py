@@ -1,0 +1,313 @@
+"""The worker's model lifecycle: which models are loaded, loading (also with
+override), reloading, unloading, lookups for requests, the repository index
+and statistics.
+
+Rules, as in Triton:
+- A reload builds the new versions first and swaps them in at once; the old
+  versions finish their in-flight requests and are then closed. A failed
+  reload leaves the old versions serving.
+- Unload removes the versions from lookups at once, waits for their
+  in-flight requests (up to ``drain_timeout_s``), then releases them.
+- Lookup errors: a model this worker never knew is NOT_FOUND; a known model
+  with nothing loaded is UNAVAILABLE (so a router tries another replica).
+
+Concurrency: the table of models is read and changed only on the event loop
+thread. Loads and unloads of one model are serialised by that model's lock.
+Each load or unload runs as a task owned by the manager and shielded from
+its caller, so a client that hangs up mid-load cannot leave a half-loaded
+model or a leaked staging directory; :meth:`close` waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import shutil
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2
+
+from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
+from workers.backends.base import Backend, ModelInstance, Placement
+from workers.model import LoadedModel
+from workers.repository import (
+    ModelRepository,
+    available_versions,
+    check_model_name,
+    parse_config_json,
+    read_config,
+    resolve_instance_groups,
+    select_versions,
+    stage_override,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ModelState(enum.Enum):
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(slots=True)
+class _Entry:
+    name: str
+    state: ModelState = ModelState.UNAVAILABLE
+    reason: str = ""
+    versions: dict[int, LoadedModel] = field(default_factory=dict)
+    latest: LoadedModel | None = None
+    # Private directory of a load-with-override; owned by the current versions.
+    staged_dir: Path | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def install(self, versions: dict[int, LoadedModel], staged_dir: Path | None) -> None:
+        self.versions = versions
+        self.latest = versions[max(versions)] if versions else None
+        self.staged_dir = staged_dir
+
+
+@dataclass(frozen=True, slots=True)
+class _Built:
+    config: mc.ModelConfig
+    placements: list[Placement]
+    instances: dict[int, list[ModelInstance]]
+
+
+class ModelManager:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        backend: Backend,
+        *,
+        staging_root: Path,
+        max_queue_size: int = 1024,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.repository = repository
+        self.backend = backend
+        self._staging_root = staging_root
+        self._max_queue_size = max_queue_size
+        self._drain_timeout_s = drain_timeout_s
+        self._entries: dict[str, _Entry] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- lookups (hot path) -----------------------------------------------------
+
+    def get(self, name: str, version: str = "") -> LoadedModel:
+        """The version a request runs on ("" = the latest loaded). Raises NOT_FOUND / UNAVAILABLE."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+        if not version:
+            if entry.latest is None:
+                raise Unavailable(f"Request for unknown model: '{name}' has no available versions")
+            return entry.latest
+        number = int(version) if version.isdigit() else -1
+        loaded = entry.versions.get(number)
+        if loaded is None:
+            raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not found")
+        return loaded
+
+    def is_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.get(name, version)
+        except InferGateError:
+            return False
+        return True
+
+    def loaded(self) -> list[LoadedModel]:
+        return [m for entry in self._entries.values() for m in entry.versions.values()]
+
+    # --- lifecycle --------------------------------------------------------------
+
+    async def load(self, name: str, *, config_json: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
+        """Load (or reload) ``name`` from the repository, or from override files and config."""
+        check_model_name(name)
+        await self._owned(self._load(name, config_json, dict(files or {})))
+
+    async def unload(self, name: str) -> None:
+        check_model_name(name)
+        await self._owned(self._unload(name))
+
+    async def load_all(self, names: Iterable[str]) -> None:
+        """Startup: load each model; a failure is logged and leaves that model UNAVAILABLE."""
+
+        async def one(name: str) -> None:
+            try:
+                await self.load(name)
+            except InferGateError:
+                pass  # already logged by the load; the index shows the reason
+
+        await asyncio.gather(*(one(name) for name in names))
+
+    async def close(self) -> None:
+        """Shutdown: finish pending loads/unloads, then release every model."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for entry in list(self._entries.values()):
+            old, staged = list(entry.versions.values()), entry.staged_dir
+            entry.install({}, None)
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "server shut down"
+            await self._retire(old, staged)
+
+    async def _owned(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        # The caller may be cancelled (client gone); the task still finishes, owned by us.
+        await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Retrieved here as well: a caller that went away never will. The load logged it.
+            logger.debug("model task ended with %r", task.exception())
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, name: str, create: bool) -> AsyncIterator[_Entry | None]:
+        """Hold the lock of ``name``'s entry (created if ``create``; None if absent).
+
+        An unload may drop an entry while others wait on its lock; a waiter
+        that finds its entry gone retries with the current one, so nothing is
+        ever installed into an entry the table no longer holds.
+        """
+        while True:
+            entry = self._entries.get(name)
+            if entry is None:
+                if not create:
+                    yield None
+                    return
+                entry = self._entries[name] = _Entry(name)
+            async with entry.lock:
+                if self._entries.get(name) is entry:
+                    yield entry
+                    return
+
+    def _forget(self, entry: _Entry) -> None:
+        """Drop an entry with nothing loaded; the caller holds its lock."""
+        if self._entries.get(entry.name) is entry and not entry.versions:
+            del self._entries[entry.name]
+
+    async def _load(self, name: str, config_json: str | None, files: dict[str, bytes]) -> None:
+        if not files and self.repository.model_dir(name) is None and name not in self._entries:
+            raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
+        async with self._locked(name, create=True) as entry:
+            assert entry is not None
+            staged: Path | None = None
+            try:
+                if files:
+                    staged = await asyncio.to_thread(stage_override, self._staging_root, name, files)
+                    model_dir = staged
+                else:
+                    found = self.repository.model_dir(name)
+                    if found is None:
+                        raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
+                    model_dir = found
+                if not entry.versions:
+                    entry.state, entry.reason = ModelState.LOADING, ""
+                built = await asyncio.to_thread(self._build, name, model_dir, config_json)
+            except BaseException as exc:
+                if staged is not None:
+                    await asyncio.to_thread(shutil.rmtree, staged, True)
+                if not entry.versions:
+                    entry.state = ModelState.UNAVAILABLE
+                    entry.reason = exc.message if isinstance(exc, InferGateError) else "load failed"
+                    if isinstance(exc, ModelNotFound):
+                        self._forget(entry)
+                if isinstance(exc, InferGateError) and not isinstance(exc, ModelNotFound):
+                    logger.error("load failed for model %s: %s", name, exc.message)
+                    raise InvalidArgument(f"load failed for model '{name}': {exc.message}") from None
+                raise
+            versions = {
+                number: LoadedModel(built.config, number, instances, max_queue_size=self._max_queue_size)
+                for number, instances in built.instances.items()
+            }
+            old, old_staged = list(entry.versions.values()), entry.staged_dir
+            entry.install(versions, staged)
+            entry.state, entry.reason = ModelState.READY, ""
+            logger.info(
+                "loaded model %s versions %s, %d instance(s) each on %s",
+                name, sorted(versions), len(built.placements), ", ".join(sorted({str(p) for p in built.placements})),
+            )  # fmt: skip
+            await self._retire(old, old_staged)
+
+    def _build(self, name: str, model_dir: Path, config_json: str | None) -> _Built:
+        """Blocking: read and complete the config, then create every instance of every version."""
+        config = parse_config_json(config_json, name) if config_json else read_config(model_dir, name)
+        if config.max_batch_size < 0:
+            raise InvalidArgument(f"model '{name}': max_batch_size must be >= 0")
+        numbers = select_versions(config, available_versions(model_dir))
+        config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
+        placements = resolve_instance_groups(config, self.backend.gpu_count())
+        created: dict[int, list[ModelInstance]] = {}
+        try:
+            for number in numbers:
+                created[number] = []
+                for placement in placements:
+                    created[number].append(self.backend.load(model_dir, model_dir / str(number), config, placement))
+        except BaseException:
+            for instances in created.values():
+                for instance in instances:
+                    instance.close()
+            raise
+        return _Built(config, placements, created)
+
+    async def _unload(self, name: str) -> None:
+        async with self._locked(name, create=False) as entry:
+            if entry is None:
+                if self.repository.model_dir(name) is None:
+                    raise ModelNotFound(f"failed to unload '{name}', no model of that name")
+                return  # in the repository but never loaded: nothing to do, as in Triton
+            old, staged = list(entry.versions.values()), entry.staged_dir
+            entry.install({}, None)
+            if old:
+                entry.state = ModelState.UNLOADING
+                await self._retire(old, staged)
+                logger.info("unloaded model %s", name)
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+            if self.repository.model_dir(name) is None:
+                self._forget(entry)  # only ever loaded with override: no directory to list it by
+
+    async def _retire(self, versions: list[LoadedModel], staged_dir: Path | None) -> None:
+        """Drain then release versions that lookups can no longer reach."""
+        for model in versions:
+            await model.drain(self._drain_timeout_s)
+            model.close()
+        if staged_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, staged_dir, True)
+
+    # --- reporting --------------------------------------------------------------
+
+    async def index(self, ready_only: bool = False) -> list[service_pb2.RepositoryIndexResponse.ModelIndex]:
+        """Every model of the repository plus models loaded with override, with their state."""
+        on_disk = await asyncio.to_thread(self.repository.names)
+        rows: list[service_pb2.RepositoryIndexResponse.ModelIndex] = []
+        Row = service_pb2.RepositoryIndexResponse.ModelIndex
+        for name in sorted(set(on_disk) | set(self._entries)):
+            entry = self._entries.get(name)
+            if entry is not None and entry.versions:
+                rows.extend(Row(name=name, version=str(v), state=ModelState.READY.value) for v in sorted(entry.versions))
+            elif not ready_only:
+                if entry is None:
+                    rows.append(Row(name=name))  # never loaded: no state, as Triton reports it
+                else:
+                    rows.append(Row(name=name, state=entry.state.value, reason=entry.reason))
+        return rows
+
+    def statistics(self, name: str = "", version: str = "") -> list[service_pb2.ModelStatistics]:
+        if not name:
+            models = sorted(self.loaded(), key=lambda m: (m.name, m.version))
+        else:
+            entry = self._entries.get(name)
+            if entry is None or not entry.versions:
+                raise ModelNotFound(f"requested model '{name}' is not available")
+            models = [self.get(name, version)] if version else [entry.versions[v] for v in sorted(entry.versions)]
+        return [m.stats.to_proto(m.name, m.version_str) for m in models]

@@ -1,0 +1,141 @@
+"""One loaded model version: its instances, the pool that hands them to
+requests, the in-flight count that lets an unload drain it, and the request
+pipeline check -> wait for an instance -> decode -> run -> encode, timed
+into the version's statistics.
+
+Concurrency: everything here runs on the event loop thread; only the
+backend's ``infer`` leaves it (to an executor thread, for ONNX Runtime).
+Callers look a version up and call :meth:`LoadedModel.infer` with no await
+in between, and ``infer`` counts itself in-flight before its first await, so
+once the manager has removed a version from its table no new request can
+start on it, and :meth:`drain` waits for exactly the ones already started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2
+
+from protos.errors import Internal, Overloaded
+from workers.backends.base import ModelInstance
+from workers.stats import ExecutionTiming, ModelStats
+from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
+
+logger = logging.getLogger(__name__)
+
+
+class LoadedModel:
+    """One version of one model, ready to serve."""
+
+    def __init__(
+        self,
+        config: mc.ModelConfig,
+        version: int,
+        instances: Sequence[ModelInstance],
+        *,
+        max_queue_size: int,
+    ) -> None:
+        self.name = config.name
+        self.version = version
+        self.version_str = str(version)
+        self.config = config
+        self.signature = ModelSignature.from_config(config)
+        self.stats = ModelStats()
+        self._instances = list(instances)
+        # Idle instances. An instance is in here or held by exactly one request.
+        self._free: asyncio.Queue[ModelInstance] = asyncio.Queue()
+        for instance in self._instances:
+            self._free.put_nowait(instance)
+        self._max_queue_size = max_queue_size
+        self._waiting = 0
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def infer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+        """Run one request; raises InferGateError subclasses for anything the client got wrong."""
+        clock = time.perf_counter_ns
+        start = clock()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            checked = check_request(self.signature, request)
+            instance = await self._acquire()
+            try:
+                ready = clock()
+                inputs = decode_inputs(self.signature, request)
+                decoded = clock()
+                outputs = await instance.infer(inputs, checked.output_names)
+                ran = clock()
+            finally:
+                self._release(instance)
+            missing = [name for name in checked.output_names if name not in outputs]
+            if missing:
+                logger.error("model %s version %s: backend returned no %s", self.name, self.version, missing)
+                raise Internal("the model did not produce every requested output")
+            response = encode_response(request, self.version_str, outputs, checked.output_names)
+            done = clock()
+            self.stats.record_success(
+                ExecutionTiming(
+                    batch_size=checked.batch_size,
+                    queue_ns=ready - start,
+                    compute_input_ns=decoded - ready,
+                    compute_infer_ns=ran - decoded,
+                    compute_output_ns=done - ran,
+                    total_ns=done - start,
+                )
+            )
+            return response
+        except Exception:
+            self.stats.record_failure(clock() - start)
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _acquire(self) -> ModelInstance:
+        # Take the fast path only when nobody waits: a waiter woken by _release
+        # has not yet taken its instance, and must not be overtaken.
+        if self._waiting == 0 and not self._free.empty():
+            return self._free.get_nowait()
+        if self._waiting >= self._max_queue_size:
+            raise Overloaded(f"Exceeds maximum queue size for model '{self.name}' ({self._max_queue_size} waiting)")
+        self._waiting += 1
+        try:
+            return await self._free.get()
+        finally:
+            self._waiting -= 1
+
+    def _release(self, instance: ModelInstance) -> None:
+        self._free.put_nowait(instance)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no request runs on this version; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "model %s version %s: %d requests still running after %.1fs; closing it anyway",
+                self.name, self.version, self._inflight, timeout_s,
+            )  # fmt: skip
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release every instance (and its memory) now."""
+        for instance in self._instances:
+            try:
+                instance.close()
+            except Exception:  # one failing instance must not keep the others' memory
+                logger.exception("model %s version %s: closing an instance failed", self.name, self.version)
+        self._instances.clear()

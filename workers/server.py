@@ -1,0 +1,196 @@
+"""``infergate worker``: the worker process. Parses its options, builds the
+backend, the model manager and the gRPC server, and owns their start and
+stop order.
+
+Start: bind the port -> load the models -> start serving -> health SERVING ->
+write the ready file (``{"grpc_port": N, "pid": N}``, atomically) -> log
+``infergate worker serving on HOST:PORT (providers: ...)``.
+
+Stop (SIGTERM or SIGINT): health NOT_SERVING and ServerReady false -> the
+listener stops taking calls -> requests in progress finish (up to
+``--grace-period``) -> whatever remains (idle streams, health watchers) is
+cancelled -> models and backend threads are released -> exit 0. A second
+signal exits at once.
+
+Model control: ``--model-control-mode none`` (the default) loads every model
+of the repository at start; ``explicit`` loads only the ``--load-model``
+names (``*`` = all). In both modes the repository load/unload RPCs work,
+as in Triton's explicit mode: a worker is told what to host by the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from protos.errors import InferGateError
+from workers.backends.base import BackendOptions, backend_names, create_backend
+from workers.manager import ModelManager
+from workers.repository import ModelRepository
+from workers.service import InferenceService
+
+logger = logging.getLogger(__name__)
+
+# Triton accepts messages up to 2 GB; so do we (gRPC's default is 4 MB).
+MAX_MESSAGE_BYTES = 2**31 - 1
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repository", required=True, type=Path, help="Triton-layout model repository")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8001, help="gRPC port, 0 = any free port (default: %(default)s)")
+    parser.add_argument("--backend", default="onnx", help=f"execution backend: {', '.join(backend_names())} (default: %(default)s)")
+    parser.add_argument(
+        "--backend-option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific setting (repeatable)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when a GPU is usable")
+    parser.add_argument("--intra-op-threads", type=int, default=0, help="threads per execution (0 = a quarter of the cores)")
+    parser.add_argument(
+        "--execution-threads", type=int, default=0, help="executions at once, all models (0 = cores / intra-op threads)"
+    )
+    parser.add_argument("--model-control-mode", choices=("none", "explicit"), default="none")
+    parser.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME", help="explicit mode: model to load at start ('*' = all)"
+    )
+    parser.add_argument("--max-queue-size", type=int, default=1024, help="requests waiting per model before UNAVAILABLE")
+    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish in-flight work on shutdown/unload")
+    parser.add_argument("--ready-file", type=Path, help="write {grpc_port, pid} as JSON here once serving")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+def _backend_options(args: argparse.Namespace) -> BackendOptions:
+    extra: dict[str, str] = {}
+    for item in args.backend_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InferGateError(f"--backend-option {item!r}: expected KEY=VALUE")
+        extra[key] = value
+    return BackendOptions(
+        device=args.device,
+        intra_op_threads=max(0, args.intra_op_threads),
+        execution_threads=max(0, args.execution_threads),
+        extra=extra,
+    )
+
+
+def _startup_models(args: argparse.Namespace, repository: ModelRepository) -> list[str]:
+    on_disk = repository.names()
+    if args.model_control_mode == "none" or "*" in args.load_model:
+        return on_disk
+    return list(dict.fromkeys(args.load_model))
+
+
+def write_ready_file(path: Path, port: int) -> None:
+    """Atomic: a reader sees no file or the whole JSON, never a partial one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"grpc_port": port, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    repository = ModelRepository(args.model_repository)
+    if not args.model_repository.is_dir():
+        logger.error("model repository %s is not a directory", args.model_repository)
+        return 2
+    try:
+        backend = create_backend(args.backend, _backend_options(args))
+    except InferGateError as exc:
+        logger.error("cannot start the %s backend: %s", args.backend, exc.message)
+        return 2
+    staging = Path(tempfile.mkdtemp(prefix="infergate-worker-"))
+    manager = ModelManager(
+        repository, backend, staging_root=staging, max_queue_size=args.max_queue_size, drain_timeout_s=args.grace_period
+    )
+    service = InferenceService(manager)
+    health_service = health.aio.HealthServicer()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Without this, a second worker on the same fixed port would silently share it.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        logger.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    try:
+        try:
+            port = server.add_insecure_port(f"{args.host}:{args.port}")
+        except RuntimeError as exc:
+            port = 0
+            logger.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+        if port == 0:
+            logger.error("cannot listen on %s:%s", args.host, args.port)
+            return 2
+        logger.info("backend %s: %s", args.backend, backend.describe())
+        await manager.load_all(_startup_models(args, repository))
+        if stop.is_set():
+            return 0
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if args.ready_file is not None:
+            write_ready_file(args.ready_file, port)
+        logger.info("infergate worker serving on %s:%d (%s)", args.host, port, backend.describe())
+        await stop.wait()
+        await _shutdown(server, service, health_service, args.grace_period)
+        return 0
+    finally:
+        await manager.close()
+        backend.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        if args.ready_file is not None:
+            args.ready_file.unlink(missing_ok=True)
+        logger.info("infergate worker stopped")
+
+
+async def _shutdown(
+    server: grpc.aio.Server, service: InferenceService, health_service: health.aio.HealthServicer, grace_s: float
+) -> None:
+    await health_service.enter_graceful_shutdown()
+    service.begin_shutdown()
+    # stop(grace) closes the listener at once and would wait the whole grace
+    # for long-lived calls (health watchers, idle streams); so wait for our
+    # own requests in progress, then cancel the rest.
+    stopping = asyncio.get_running_loop().create_task(server.stop(grace_s))
+    try:
+        await asyncio.wait_for(service.wait_idle(), grace_s)
+    except asyncio.TimeoutError:
+        logger.warning("requests still running after the %.1fs grace period: cancelling them", grace_s)
+    await server.stop(None)
+    await stopping

@@ -1,0 +1,238 @@
+"""The worker's ``inference.GRPCInferenceService``: the KServe v2 RPCs with
+Triton's extensions (model configuration, repository, statistics), on
+grpc.aio, over the :class:`~workers.manager.ModelManager`.
+
+This module is the worker's one error edge: handlers raise
+``protos.errors.InferGateError`` subclasses and :func:`_rpc` turns them into
+gRPC statuses (``ModelStreamInfer`` into in-stream ``error_message``s).
+Anything else is logged with its traceback and answered with a generic
+INTERNAL. It also counts the requests in progress so shutdown can wait for
+them before cancelling idle streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from protos.errors import InferGateError, Internal, InvalidArgument
+from workers.manager import ModelManager
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME = "infergate-worker"
+EXTENSIONS = ("model_configuration", "model_repository", "model_repository(unload_dependents)", "statistics")
+# Requests of one ModelStreamInfer call that may run at once; reading the
+# stream pauses beyond it, so a fast client meets gRPC flow control, not memory growth.
+STREAM_CONCURRENCY = 64
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+_Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("infergate")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _as_error(exc: Exception, what: str) -> InferGateError:
+    if isinstance(exc, InferGateError):
+        return exc
+    logger.exception("unexpected error in %s", what)
+    return Internal("internal error")
+
+
+def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
+    """Count the call as in progress and map errors to a gRPC status."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: InferenceService, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        self._enter()
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:
+            error = _as_error(exc, handler.__name__)
+        finally:
+            self._exit()
+        await context.abort(error.grpc_code, error.message)
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+        self._version = _package_version()
+        self._shutting_down = False
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- in-progress accounting (event loop thread only) -------------------------
+
+    def _enter(self) -> None:
+        self._active += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
+
+    def begin_shutdown(self) -> None:
+        """ServerReady turns false; requests still arriving are served until the listener closes."""
+        self._shutting_down = True
+
+    async def wait_idle(self) -> None:
+        """Return once no request (unary call, or request read from a stream) is in progress."""
+        await self._idle.wait()
+
+    # --- health and metadata --------------------------------------------------------
+
+    @_rpc
+    async def ServerLive(self, request: service_pb2.ServerLiveRequest, context: Any) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request: service_pb2.ServerReadyRequest, context: Any) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=not self._shutting_down)
+
+    @_rpc
+    async def ServerMetadata(
+        self, request: service_pb2.ServerMetadataRequest, context: Any
+    ) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=list(EXTENSIONS))
+
+    @_rpc
+    async def ModelReady(self, request: service_pb2.ModelReadyRequest, context: Any) -> service_pb2.ModelReadyResponse:
+        return service_pb2.ModelReadyResponse(ready=self.manager.is_ready(request.name, request.version))
+
+    @_rpc
+    async def ModelMetadata(
+        self, request: service_pb2.ModelMetadataRequest, context: Any
+    ) -> service_pb2.ModelMetadataResponse:
+        model = self.manager.get(request.name, request.version)
+        sig = model.signature
+        if request.version:
+            versions = [model.version_str]
+        else:
+            versions = sorted((m.version for m in self.manager.loaded() if m.name == model.name))
+            versions = [str(v) for v in versions]
+        response = service_pb2.ModelMetadataResponse(name=model.name, versions=versions, platform=model.config.platform)
+        for spec in sig.inputs.values():
+            response.inputs.add(name=spec.name, datatype=spec.datatype, shape=sig.full_shape(spec))
+        for spec in sig.outputs.values():
+            response.outputs.add(name=spec.name, datatype=spec.datatype, shape=sig.full_shape(spec))
+        return response
+
+    @_rpc
+    async def ModelConfig(self, request: service_pb2.ModelConfigRequest, context: Any) -> service_pb2.ModelConfigResponse:
+        model = self.manager.get(request.name, request.version)
+        return service_pb2.ModelConfigResponse(config=model.config)
+
+    @_rpc
+    async def ModelStatistics(
+        self, request: service_pb2.ModelStatisticsRequest, context: Any
+    ) -> service_pb2.ModelStatisticsResponse:
+        return service_pb2.ModelStatisticsResponse(model_stats=self.manager.statistics(request.name, request.version))
+
+    # --- inference ----------------------------------------------------------------------
+
+    @_rpc
+    async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
+        # No await between the lookup and infer() counting itself in flight: see workers.model.
+        return await self.manager.get(request.model_name, request.model_version).infer(request)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[service_pb2.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Each request runs concurrently; responses go out as they complete, errors in-stream."""
+        write_lock = asyncio.Lock()  # one context.write at a time
+        slots = asyncio.Semaphore(STREAM_CONCURRENCY)
+        tasks: set[asyncio.Task[None]] = set()
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            slots.release()
+            self._exit()
+
+        async def serve(request: service_pb2.ModelInferRequest) -> None:
+            try:
+                result = await self.manager.get(request.model_name, request.model_version).infer(request)
+                response = service_pb2.ModelStreamInferResponse(infer_response=result)
+            except Exception as exc:
+                error = _as_error(exc, "ModelStreamInfer")
+                response = service_pb2.ModelStreamInferResponse(
+                    error_message=error.message,
+                    infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, model_version=request.model_version, id=request.id
+                    ),
+                )
+            async with write_lock:
+                await context.write(response)
+
+        try:
+            async for request in request_iterator:
+                await slots.acquire()
+                self._enter()
+                task = asyncio.get_running_loop().create_task(serve(request))
+                tasks.add(task)
+                # A done-callback, not a finally in serve(): it runs even for a
+                # task cancelled before its first step.
+                task.add_done_callback(done)
+            # The client half-closed: answer what is still running, then end the call.
+            while tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            # Reached with tasks left only when the call is cancelled (client gone).
+            for task in tasks:
+                task.cancel()
+
+    # --- repository ---------------------------------------------------------------------
+
+    @_rpc
+    async def RepositoryIndex(
+        self, request: service_pb2.RepositoryIndexRequest, context: Any
+    ) -> service_pb2.RepositoryIndexResponse:
+        return service_pb2.RepositoryIndexResponse(models=await self.manager.index(request.ready))
+
+    @_rpc
+    async def RepositoryModelLoad(
+        self, request: service_pb2.RepositoryModelLoadRequest, context: Any
+    ) -> service_pb2.RepositoryModelLoadResponse:
+        config_json: str | None = None
+        files: dict[str, bytes] = {}
+        for key, param in request.parameters.items():
+            kind = param.WhichOneof("parameter_choice")
+            if key == "config":
+                if kind != "string_param":
+                    raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
+                config_json = param.string_param
+            elif key.startswith("file:"):
+                if kind != "bytes_param":
+                    raise InvalidArgument(f"load parameter '{key}' must carry the file's bytes")
+                files[key.removeprefix("file:")] = param.bytes_param
+        logger.info("load model %s%s", request.model_name, " with override" if config_json or files else "")
+        await self.manager.load(request.model_name, config_json=config_json, files=files)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(
+        self, request: service_pb2.RepositoryModelUnloadRequest, context: Any
+    ) -> service_pb2.RepositoryModelUnloadResponse:
+        # unload_dependents is accepted and moot: this worker has no ensembles.
+        await self.manager.unload(request.model_name)
+        return service_pb2.RepositoryModelUnloadResponse()
