@@ -1,0 +1,517 @@
+"""Dynamic batching: the per-model queue that turns single requests into batches.
+
+Owns :class:`Batcher` (the queue, its scheduling loop and the tasks that run
+each batch) and its seams (:class:`Capacity`, :class:`Clock`). What it is told
+to do is a :class:`~gateway.batch_policy.BatchPolicy`, re-exported here.
+
+The path through here: ``submit(req)`` queues one entry holding one future ->
+the scheduling loop forms a batch of compatible entries once the mode says so
+and the router reports a free replica -> the batch runs as a task owned by the
+batcher and calls ``dispatch`` -> a ``finally`` resolves every entry of it.
+
+Modes:
+
+* ``adaptive`` (default), work-conserving: while a replica can take a batch,
+  what is queued goes at once (up to ``max_batch_size`` rows); while none can,
+  the queue grows and the largest batch goes the moment one frees up. Low load
+  pays no batching delay and high load gets full batches.
+* ``fixed``, Triton's dynamic batcher: wait up to ``max_queue_delay_us`` from
+  the oldest queued request for a preferred size (or ``max_batch_size`` when
+  none is preferred), fire early when a preferred size can be formed. Like
+  Triton, a batch may pass the largest preferred size by its last request,
+  never ``max_batch_size``.
+* ``off``: one request per dispatch. Models with ``max_batch_size == 0``
+  always run this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from gateway.batch_policy import DEFAULT_MAX_QUEUE_SIZE, BatchingMode, BatchPolicy, TimeoutAction
+from gateway.types import InferRequest, InferResponse
+from protos.errors import DeadlineExceeded, InferGateError, Internal, InvalidArgument, Overloaded, Unavailable
+
+__all__ = [  # BatchPolicy and its types are re-exported: callers import batching from here
+    "DEFAULT_MAX_QUEUE_SIZE", "BatchPolicy", "Batcher", "BatcherStats", "BatchingMode",
+    "Capacity", "Clock", "Dispatch", "LoopClock", "TimeoutAction",
+]
+
+logger = logging.getLogger(__name__)
+
+Dispatch = Callable[[list[InferRequest]], Awaitable[list[InferResponse]]]
+
+
+class Capacity(Protocol):
+    """The router's view of one model's replicas.
+
+    ``wait()`` must return promptly when capacity is already free when it is
+    called; the batcher asks ``has_capacity()`` first, then waits.
+    """
+
+    def has_capacity(self) -> bool: ...
+
+    async def wait(self) -> None: ...
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...  # seconds, monotonic, the clock of InferRequest.deadline
+
+    async def sleep(self, s: float) -> None: ...
+
+
+class LoopClock:
+    """The event loop's clock (``loop.time()``), which request deadlines use."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, s: float) -> None:
+        await asyncio.sleep(s)
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    """Counters since the batcher was built, read by the metrics exporter."""
+
+    accepted: int = 0
+    rejected_full: int = 0
+    displaced: int = 0
+    expired: int = 0  # deadline passed while queued
+    timed_out: int = 0  # queue timeout with REJECT
+    delayed: int = 0  # queue timeout with DELAY
+    cancelled: int = 0  # the caller went away before its batch ran
+    batches: int = 0
+    batched_requests: int = 0
+    batched_rows: int = 0
+    failed_batches: int = 0
+
+
+class _State(Enum):
+    QUEUED = 1
+    RUNNING = 2
+    DONE = 3
+
+
+_DEADLINE, _TIMEOUT = 0, 1
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    req: InferRequest
+    future: asyncio.Future[InferResponse]
+    seq: int  # arrival order among accepted requests
+    rows: int
+    key: tuple[Any, ...]  # requests share a batch only when their keys are equal
+    slot: int  # priority level - 1
+    enqueued_at: float
+    timeout_at: float | None
+    delayed: bool = False
+    state: _State = _State.QUEUED
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+class Batcher:
+    """One model's queue. ``submit`` resolves exactly once for every request."""
+
+    def __init__(
+        self, name: str, policy: BatchPolicy, dispatch: Dispatch, capacity: Capacity, *, clock: Clock | None = None
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self.stats = BatcherStats()
+        self._dispatch = dispatch
+        self._capacity = capacity
+        self._clock: Clock = clock or LoopClock()
+        self._single = policy.max_batch_size == 0 or policy.mode == "off"
+        self._preferred = frozenset(policy.preferred_batch_sizes)
+        fixed_pref = policy.mode == "fixed" and policy.preferred_batch_sizes
+        self._target_rows = policy.preferred_batch_sizes[-1] if fixed_pref else policy.max_batch_size
+        # Per priority level: entries not yet timed out, then DELAYed ones; both in arrival order.
+        levels = max(1, policy.priority_levels)
+        self._queues = [(OrderedDict[int, _Entry](), OrderedDict[int, _Entry]()) for _ in range(levels)]
+        self._count = 0
+        # Heap of (when, seq, kind, entry). Entries that leave the queue stay in it and are
+        # skipped when popped; it is rebuilt when stale items outnumber the live ones.
+        self._timers: list[tuple[float, int, int, _Entry]] = []
+        self._seq = 0
+        self._next_delivery = 0  # preserve_ordering: the seq whose outcome goes out next
+        self._held: dict[int, tuple[_Entry, InferResponse | BaseException | None]] = {}
+        # Each running batch task and its entries: the task's `finally` answers them, and its
+        # done-callback answers any left over (a task cancelled before it ever ran).
+        self._inflight: dict[asyncio.Task[None], list[_Entry]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._accepting = False
+        self._draining = False
+        self._closed = False
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        # While the loop waits only for capacity (and a timer), arrivals cannot change what
+        # it will do next, so submit() does not wake it unless it brings an earlier timer.
+        self._blocked_on_capacity = False
+        self._blocked_until: float | None = None
+
+    # ---- public API ----
+
+    async def start(self) -> None:
+        if self._closed:
+            raise Unavailable(f"model '{self.name}' batcher is closed")
+        if self._loop_task is None:
+            self._accepting = True
+            self._loop_task = asyncio.create_task(self._run(), name=f"batcher:{self.name}")
+            self._loop_task.add_done_callback(self._loop_done)
+
+    def queue_depth(self) -> int:
+        return self._count
+
+    def inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    async def submit(self, req: InferRequest) -> InferResponse:
+        if not self._accepting:
+            raise Unavailable(f"model '{self.name}' is not accepting requests")
+        now = self._clock.now()
+        if req.deadline is not None and req.deadline <= now:
+            raise DeadlineExceeded(f"request '{req.id}' deadline passed before it was queued")
+        rows = self._rows_of(req)
+        slot = self._slot_of(req.priority)
+        if self._count >= self.policy.max_queue_size:
+            self._shed_for(slot)
+        future = asyncio.get_running_loop().create_future()
+        entry = _Entry(req, future, self._seq, rows, self._key_of(req), slot, now, self._timeout_at(req, now))
+        self._seq += 1
+        self._queues[slot][0][entry.seq] = entry
+        self._count += 1
+        self.stats.accepted += 1
+        self._arm(entry)
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            # The caller went away. Still queued: leave now. Already in a batch: that batch
+            # runs for the others and its result for this one is dropped.
+            if entry.state is _State.QUEUED:
+                self._unqueue(entry)
+                self._finish(entry, None)
+                self.stats.cancelled += 1
+            raise
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop accepting; dispatch what is queued within ``grace_s``; fail the rest with Unavailable."""
+        if self._closed:
+            return
+        self._accepting = False
+        self._draining = True
+        self._wakeup.set()
+        self._check_idle()
+        if grace_s > 0 and not self._idle.is_set():
+            waiters = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._clock.sleep(grace_s))]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._fail_queued(Unavailable(f"model '{self.name}' is shutting down"))
+        tasks = list(self._inflight)
+        for t in tasks:
+            t.cancel()  # their `finally` answers every request with Unavailable
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- admission ----
+
+    def _rows_of(self, req: InferRequest) -> int:
+        if self.policy.max_batch_size == 0 or not req.inputs or not req.inputs[0].shape:
+            return 1
+        rows = req.inputs[0].shape[0]
+        if not 0 <= rows <= self.policy.max_batch_size:
+            raise InvalidArgument(
+                f"batch size {rows} of request '{req.id}' is outside 0..{self.policy.max_batch_size} "
+                f"for model '{self.name}'"
+            )
+        return rows
+
+    def _key_of(self, req: InferRequest) -> tuple[Any, ...]:
+        if self._single:
+            return ()
+        inputs = tuple(sorted((t.name, t.datatype, tuple(t.shape[1:])) for t in req.inputs))
+        return req.version, inputs, tuple(sorted(o.name for o in req.outputs))
+
+    def _slot_of(self, priority: int) -> int:
+        levels = self.policy.priority_levels
+        if levels == 0:
+            return 0
+        return (priority if 1 <= priority <= levels else self.policy.default_priority_level) - 1
+
+    def _timeout_at(self, req: InferRequest, now: float) -> float | None:
+        # Triton: a request may shorten the default queue timeout, never lengthen it.
+        timeout_us = self.policy.default_timeout_us
+        shorter = req.timeout_us > 0 and (timeout_us == 0 or req.timeout_us < timeout_us)
+        if shorter and self.policy.allow_timeout_override:
+            timeout_us = req.timeout_us
+        return now + timeout_us / 1e6 if timeout_us > 0 else None
+
+    def _shed_for(self, slot: int) -> None:
+        """Queue full: displace the request that would be served last, if it is of a lower priority."""
+        for lower in range(len(self._queues) - 1, slot, -1):
+            normal, delayed = self._queues[lower]
+            last = delayed or normal
+            if last:
+                victim = next(reversed(last.values()))
+                self._unqueue(victim)
+                self._finish(victim, Overloaded(f"model '{self.name}' queue is full; displaced by a higher priority"))
+                self.stats.displaced += 1
+                return
+        self.stats.rejected_full += 1
+        raise Overloaded(f"model '{self.name}' queue is full ({self.policy.max_queue_size} requests)")
+
+    def _arm(self, entry: _Entry) -> None:
+        earliest = None
+        for when, kind in ((entry.req.deadline, _DEADLINE), (entry.timeout_at, _TIMEOUT)):
+            if when is not None:
+                heapq.heappush(self._timers, (when, entry.seq, kind, entry))
+                earliest = _earliest(earliest, when)
+        if len(self._timers) > 2 * self._count + 64:
+            self._timers = [t for t in self._timers if t[3].state is _State.QUEUED]
+            heapq.heapify(self._timers)
+        if not self._blocked_on_capacity or (
+            earliest is not None and (self._blocked_until is None or earliest < self._blocked_until)
+        ):
+            self._wakeup.set()
+
+    # ---- queue bookkeeping ----
+
+    def _iter_queued(self) -> Iterator[_Entry]:
+        """Queued entries in the order they are served."""
+        for normal, delayed in self._queues:
+            yield from normal.values()
+            yield from delayed.values()
+
+    def _unqueue(self, entry: _Entry) -> None:
+        normal, delayed = self._queues[entry.slot]
+        if (delayed if entry.delayed else normal).pop(entry.seq, None) is not None:
+            self._count -= 1
+
+    def _finish(self, entry: _Entry, outcome: InferResponse | BaseException | None) -> None:
+        """Give an entry its one outcome (None: its caller is gone). Later calls are no-ops."""
+        if entry.state is _State.DONE:
+            return
+        entry.state = _State.DONE
+        self._check_idle()
+        if not self.policy.preserve_ordering:
+            self._resolve(entry, outcome)
+            return
+        # Outcomes go out in arrival order: hold each until every earlier entry has one.
+        self._held[entry.seq] = (entry, outcome)
+        while self._next_delivery in self._held:
+            held, held_outcome = self._held.pop(self._next_delivery)
+            self._next_delivery += 1
+            self._resolve(held, held_outcome)
+
+    @staticmethod
+    def _resolve(entry: _Entry, outcome: InferResponse | BaseException | None) -> None:
+        if outcome is None or entry.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            entry.future.set_exception(outcome)
+        else:
+            entry.future.set_result(outcome)
+
+    def _fail_queued(self, error: InferGateError) -> None:
+        for entry in list(self._iter_queued()):
+            self._unqueue(entry)
+            self._finish(entry, error)
+        self._timers.clear()
+
+    def _check_idle(self) -> None:
+        if self._draining and self._count == 0 and not self._inflight:
+            self._idle.set()
+
+    def _expire(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, kind, entry = heapq.heappop(timers)
+            if entry.state is not _State.QUEUED:
+                continue
+            if kind == _DEADLINE:
+                self._unqueue(entry)
+                self._finish(entry, DeadlineExceeded(f"request '{entry.req.id}' deadline passed while queued"))
+                self.stats.expired += 1
+            elif self.policy.timeout_action == "DELAY":
+                normal, delayed = self._queues[entry.slot]
+                if normal.pop(entry.seq, None) is not None:
+                    entry.delayed = True
+                    delayed[entry.seq] = entry
+                    self.stats.delayed += 1
+            else:
+                self._unqueue(entry)
+                self._finish(entry, Unavailable(f"request '{entry.req.id}' timed out in the queue"))
+                self.stats.timed_out += 1
+        while timers and timers[0][3].state is not _State.QUEUED:
+            heapq.heappop(timers)
+
+    # ---- scheduling ----
+
+    async def _run(self) -> None:
+        while True:
+            # Cleared before looking at the state, so a wakeup set after this is not lost.
+            self._wakeup.clear()
+            now = self._clock.now()
+            self._expire(now)
+            next_timer = self._timers[0][0] if self._timers else None
+            if self._count == 0:
+                await self._wait(None, want_capacity=False)
+            elif not self._capacity.has_capacity():
+                await self._wait(next_timer, want_capacity=True)
+            else:
+                batch, ready_at = self._form(now)
+                if batch:
+                    self._launch(batch)
+                    # Let the batch task run to its first suspension, where the router
+                    # takes a replica slot, before has_capacity() is asked again.
+                    await asyncio.sleep(0)
+                else:
+                    await self._wait(_earliest(ready_at, next_timer), want_capacity=False)
+
+    def _loop_done(self, task: asyncio.Task[None]) -> None:
+        if self._closed:
+            return
+        # The scheduler ended on its own (a failing Capacity or Clock, a bug). Never leave
+        # callers waiting on a dead loop: fail what is queued and stop accepting.
+        error = None if task.cancelled() else task.exception()
+        logger.error("model %s: batch scheduler stopped", self.name, exc_info=error)
+        self._accepting = False
+        self._fail_queued(Internal("internal error in the batch scheduler"))
+
+    async def _wait(self, wake_at: float | None, *, want_capacity: bool) -> None:
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wakeup.wait())]
+        if wake_at is not None:
+            waiters.append(asyncio.ensure_future(self._clock.sleep(max(0.0, wake_at - self._clock.now()))))
+        if want_capacity:
+            waiters.append(asyncio.ensure_future(self._capacity.wait()))
+        self._blocked_on_capacity, self._blocked_until = want_capacity, wake_at
+        try:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._blocked_on_capacity = False
+            for w in waiters:
+                w.cancel()
+        for w in done:
+            w.result()  # a failing Capacity.wait() or Clock.sleep() fails the scheduler loudly
+
+    def _form(self, now: float) -> tuple[list[_Entry] | None, float | None]:
+        """The next batch to send now, or (None, when to look again)."""
+        batch: list[_Entry] = []
+        gone: list[_Entry] = []
+        rows = best = 0
+        full = False
+        for entry in self._iter_queued():
+            if entry.future.done():  # cancelled, its submit() has not run its handler yet
+                gone.append(entry)
+                continue
+            if batch:
+                if entry.key != batch[0].key:
+                    continue  # incompatible: stays queued for a later batch
+                if rows + entry.rows > self.policy.max_batch_size:
+                    full = True
+                    break
+            batch.append(entry)
+            rows += entry.rows
+            if self._single:
+                break
+            if rows in self._preferred:
+                best = len(batch)
+            if rows >= self._target_rows:
+                full = True
+                break
+        for entry in gone:
+            self._unqueue(entry)
+            self._finish(entry, None)
+            self.stats.cancelled += 1
+        if not batch:
+            return None, None
+        if self.policy.mode == "fixed" and not self._single:
+            if best:
+                del batch[best:]
+            elif not full and not self._draining:
+                ready_at = batch[0].enqueued_at + self.policy.max_queue_delay_us / 1e6
+                if now < ready_at:
+                    return None, ready_at
+        for entry in batch:
+            self._unqueue(entry)
+            entry.state = _State.RUNNING
+        return batch, None
+
+    def _launch(self, batch: list[_Entry]) -> None:
+        task = asyncio.create_task(self._run_batch(batch), name=f"batch:{self.name}")
+        self._inflight[task] = batch
+        task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        batch = self._inflight.pop(task, [])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("model %s: batch task failed", self.name, exc_info=task.exception())
+        if task.cancelled():
+            leftover: InferGateError = Unavailable(f"model '{self.name}' is shutting down")
+        else:
+            leftover = Internal("internal error: the batch ended without a response")
+        for entry in batch:
+            self._finish(entry, leftover)  # a no-op for entries already answered
+        # A finished batch usually frees a replica slot: look at the queue again.
+        self._wakeup.set()
+        self._check_idle()
+
+    async def _run_batch(self, batch: list[_Entry]) -> None:
+        now = self._clock.now()
+        live: list[_Entry] = []
+        for entry in batch:  # drop what was cancelled or expired since the batch formed
+            if entry.future.done():
+                self._finish(entry, None)
+                self.stats.cancelled += 1
+            elif entry.req.deadline is not None and entry.req.deadline <= now:
+                self._finish(entry, DeadlineExceeded(f"request '{entry.req.id}' deadline passed while queued"))
+                self.stats.expired += 1
+            else:
+                live.append(entry)
+        if not live:
+            return
+        self.stats.batches += 1
+        self.stats.batched_requests += len(live)
+        self.stats.batched_rows += sum(e.rows for e in live)
+        error: BaseException | None = None
+        try:
+            responses = await self._dispatch([e.req for e in live])
+            if len(responses) != len(live):
+                logger.error("model %s: dispatch returned %d responses for %d requests (ids %s)",
+                             self.name, len(responses), len(live), [e.req.id for e in live])
+                raise Internal("internal error: the batch returned the wrong number of responses")
+            for entry, response in zip(live, responses):
+                self._finish(entry, response)
+        except asyncio.CancelledError:
+            error = Unavailable(f"model '{self.name}' is shutting down")
+            raise
+        except InferGateError as exc:
+            error = exc
+        except Exception:
+            logger.exception("model %s: batch of requests %s failed", self.name, [e.req.id for e in live])
+            error = Internal("internal error while running the batch")
+        finally:
+            if error is not None:
+                self.stats.failed_batches += 1
+            fallback = error or Internal("internal error: the batch ended without a response")
+            for entry in live:
+                self._finish(entry, fallback)  # a no-op for entries already answered
