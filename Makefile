@@ -12,7 +12,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 PYTEST_ARGS ?=
 
-.PHONY: install models up test bench k8s-check clean
+.PHONY: install models up test bench k8s-check browser clean
 
 install: $(STAMP) $(MODELS_STAMP)
 
@@ -31,7 +31,13 @@ models: $(MODELS_STAMP)
 up: install
 	$(VENV)/bin/infergate up --workers $(WORKERS) --model-repository models --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
-test: install
+# Headless Chromium for the dashboard's browser test (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+test: install browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

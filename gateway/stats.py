@@ -64,10 +64,12 @@ class GatewayStats:
         c.fail.add(total_ns)
         c.failures_by_reason[reason] = c.failures_by_reason.get(reason, 0) + 1
 
-    def record_execution(self, name: str, version: str, batch_rows: int, compute_ns: int) -> None:
+    def record_execution(self, name: str, version: str, batch_rows: int, compute_ns: int, requests: int = 1) -> None:
+        # As Triton does, inference_stats durations count per request (each
+        # request of the batch spent compute_ns in it); batch_stats per batch.
         c = self.model(name, version)
         c.execution_count += 1
-        c.compute.add(compute_ns)
+        c.compute.add(compute_ns * requests, requests)
         c.batches.setdefault(batch_rows, _Duration()).add(compute_ns)
 
     def snapshot(self) -> list[ModelCounters]:

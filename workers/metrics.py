@@ -1,0 +1,332 @@
+"""The worker's Prometheus metrics and the text format both processes serve.
+
+Per loaded model version, Triton's ``nv_inference_*`` families, read from the
+live ``ModelStats`` at scrape time (no second set of counters). Per device,
+Triton's ``nv_gpu_*`` gauges through NVML (the ``nvidia-ml-py`` package) when
+it is installed and a driver answers, and the host's ``nv_cpu_*`` gauges from
+``/proc``. A machine without a GPU simply has no ``nv_gpu_*`` series: that is
+not an error and is logged at debug level only.
+
+The endpoint is a small aiohttp server beside the gRPC one
+(``--metrics-port``), on the same event loop: the collectors read counters
+that only the loop thread writes, so a scrape never sees them mid-update.
+
+:func:`render_text` writes the Prometheus text format (0.0.4). It differs
+from prometheus-client's own writer in one way: counters built with bare
+sample names (Triton's, e.g. ``nv_inference_request_success``) keep them
+rather than gaining a ``_total`` suffix, so dashboards written for Triton
+work unchanged. Counters built with ``CounterMetricFamily`` keep their
+``_total`` samples as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from workers.manager import ModelManager
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TEXT_TYPES = {"unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
+
+
+# ---- the text format ----------------------------------------------------------
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _value(value: float) -> str:
+    # Counters of events are ints: write them as such, as Triton does.
+    return str(value) if type(value) is int else floatToGoString(value)
+
+
+def _sample_line(sample: Sample) -> str:
+    if sample.labels:
+        labels = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in sorted(sample.labels.items()))
+        return f"{sample.name}{{{labels}}} {_value(sample.value)}\n"
+    return f"{sample.name} {_value(sample.value)}\n"
+
+
+def render_text(collectors: Iterable[Collector]) -> bytes:
+    """The Prometheus text exposition of every family the collectors yield."""
+    out: list[str] = []
+    for collector in collectors:
+        for metric in collector.collect():
+            name = metric.name
+            if metric.type == "counter" and any(s.name == name + "_total" for s in metric.samples):
+                name += "_total"
+            doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+            out.append(f"# HELP {name} {doc}\n# TYPE {name} {_TEXT_TYPES.get(metric.type, metric.type)}\n")
+            out.extend(_sample_line(s) for s in metric.samples if not s.name.endswith("_created"))
+    return "".join(out).encode()
+
+
+class TritonCounter(Metric):
+    """A counter whose samples carry the family's bare name, as Triton writes them."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        super().__init__(name, documentation, "counter")
+        self._labelnames = labels
+
+    def add_metric(self, labels: list[str], value: float) -> None:
+        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels)), value, None, None))
+
+
+# ---- devices --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization: float | None  # 0..1 over NVML's last sample period; None where unsupported (MIG)
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization: float | None  # 0..1 since the previous sample; None on the first
+
+
+class GpuMonitor:
+    """GPU memory and utilisation through NVML; empty when NVML or a GPU is absent."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._tried = False
+
+    def _init(self) -> Any:
+        if self._tried:
+            return self._nvml
+        self._tried = True
+        try:
+            import pynvml  # the nvidia-ml-py package
+
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - no package, no library, no driver: all mean "no GPU"
+            logger.debug("no GPU metrics: %s", e)
+            return None
+        self._nvml = pynvml
+        return pynvml
+
+    def sample(self) -> list[GpuSample]:
+        nvml = self._init()
+        if nvml is None:
+            return []
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as e:
+            logger.debug("NVML device count failed: %s", e)
+            return []
+        visible = _visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        samples = []
+        for index in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                if visible is not None and str(index) not in visible and not any(uuid.startswith(v) for v in visible):
+                    continue
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                name = _text(nvml.nvmlDeviceGetName(handle))
+            except nvml.NVMLError as e:
+                logger.debug("NVML query of GPU %d failed: %s", index, e)
+                continue
+            try:
+                utilization: float | None = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+            except nvml.NVMLError:
+                utilization = None  # not supported on MIG instances, for one
+            samples.append(GpuSample(index, uuid, name, int(memory.total), int(memory.used), utilization))
+        return samples
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+            self._nvml = None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _visible_devices(value: str | None) -> set[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (indices or UUID prefixes); None = all devices."""
+    if value is None:
+        return None
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+class HostMonitor:
+    """The host's memory and CPU use from ``/proc`` (Linux); None elsewhere."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self._proc = proc
+        self._last_cpu: tuple[int, int] | None = None  # (idle, total) ticks at the last sample
+        self._utilization: float | None = None
+
+    def sample(self) -> HostSample | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            meminfo = (self._proc / "meminfo").read_text()
+            cpu_line = (self._proc / "stat").read_text().split("\n", 1)[0]
+        except OSError:
+            return None
+        fields = {}
+        for line in meminfo.splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[key] = int(parts[0]) * 1024
+        total = fields.get("MemTotal", 0)
+        available = fields.get("MemAvailable", fields.get("MemFree", 0))
+        ticks = [int(v) for v in cpu_line.split()[1:] if v.isdigit()]
+        # idle + iowait count as idle, as top does.
+        idle, busy_total = (ticks[3] + (ticks[4] if len(ticks) > 4 else 0)), sum(ticks)
+        if self._last_cpu is None:
+            self._last_cpu = (idle, busy_total)
+        else:
+            d_total = busy_total - self._last_cpu[1]
+            # Two scrapes within one clock tick: keep the last rate and its baseline.
+            if d_total > 0:
+                d_idle = idle - self._last_cpu[0]
+                self._utilization = max(0.0, min(1.0, 1.0 - d_idle / d_total))
+                self._last_cpu = (idle, busy_total)
+        return HostSample(total, max(0, total - available), self._utilization)
+
+
+class DeviceCollector(Collector):
+    """``nv_gpu_*`` and ``nv_cpu_*`` gauges, sampled at scrape time."""
+
+    def __init__(self, gpus: GpuMonitor | None = None, host: HostMonitor | None = None) -> None:
+        self.gpus = gpus or GpuMonitor()
+        self.host = host or HostMonitor()
+
+    def collect(self) -> Iterator[Metric]:
+        gpus = self.gpus.sample()
+        if gpus:
+            info = GaugeMetricFamily("infergate_gpu_info", "GPU name and index (value 1)", labels=["gpu_uuid", "name", "index"])
+            util = GaugeMetricFamily("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=["gpu_uuid"])
+            total = GaugeMetricFamily("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=["gpu_uuid"])
+            used = GaugeMetricFamily("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=["gpu_uuid"])
+            for g in gpus:
+                info.add_metric([g.uuid, g.name, str(g.index)], 1)
+                if g.utilization is not None:
+                    util.add_metric([g.uuid], g.utilization)
+                total.add_metric([g.uuid], g.memory_total_bytes)
+                used.add_metric([g.uuid], g.memory_used_bytes)
+            yield from (info, util, total, used)
+        host = self.host.sample()
+        if host is not None:
+            if host.utilization is not None:
+                yield GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=host.utilization)
+            yield GaugeMetricFamily("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", value=host.memory_total_bytes)
+            yield GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", value=host.memory_used_bytes)
+
+    def close(self) -> None:
+        self.gpus.close()
+
+
+# ---- per-model inference metrics ------------------------------------------------------
+
+
+class WorkerModelCollector(Collector):
+    """Triton's per-model families over the worker's loaded model versions."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        success = TritonCounter("nv_inference_request_success", "Number of successful inference requests, all batch sizes", labels)
+        failure = TritonCounter(
+            "nv_inference_request_failure", "Number of failed inference requests, all batch sizes", [*labels, "reason"]
+        )
+        count = TritonCounter("nv_inference_count", "Number of inferences performed (does not include cached requests)", labels)
+        execs = TritonCounter("nv_inference_exec_count", "Number of model executions performed", labels)
+        request_us = TritonCounter("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", labels)
+        queue_us = TritonCounter("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", labels)
+        input_us = TritonCounter(
+            "nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds", labels
+        )
+        infer_us = TritonCounter(
+            "nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds", labels
+        )
+        output_us = TritonCounter(
+            "nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds", labels
+        )
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of requests in progress (waiting for an instance or running)",
+            labels=labels,
+        )
+        models = sorted(self._manager.loaded(), key=lambda m: (m.name, m.version))
+        for model in models:
+            key = [model.name, model.version_str]
+            s = model.stats
+            success.add_metric(key, s.success.count)
+            # The worker does not tell failure causes apart yet; Triton's catch-all reason.
+            failure.add_metric([*key, "OTHER"], s.fail.count)
+            count.add_metric(key, s.inference_count)
+            execs.add_metric(key, s.execution_count)
+            request_us.add_metric(key, s.success.ns // 1000)
+            queue_us.add_metric(key, s.queue.ns // 1000)
+            input_us.add_metric(key, s.compute_input.ns // 1000)
+            infer_us.add_metric(key, s.compute_infer.ns // 1000)
+            output_us.add_metric(key, s.compute_output.ns // 1000)
+            pending.add_metric(key, model.inflight)
+        yield from (success, failure, count, execs, request_us, queue_us, input_us, infer_us, output_us, pending)
+        yield GaugeMetricFamily("infergate_worker_models_loaded", "Model versions loaded now", value=len(models))
+
+
+# ---- the endpoint -------------------------------------------------------------------
+
+
+class MetricsServer:
+    """``GET /metrics`` on its own port, served on the worker's event loop."""
+
+    def __init__(self, collectors: list[Collector]) -> None:
+        self._collectors = [*collectors, ProcessCollector(registry=None)]
+        self._runner: web.AppRunner | None = None
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=render_text(self._collectors), headers={"Content-Type": CONTENT_TYPE})
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0 = a free port); returns the real port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, host, port, reuse_port=False)
+        await site.start()
+        return int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
