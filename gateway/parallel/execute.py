@@ -91,6 +91,11 @@ async def _all(calls: list[Awaitable[dict[str, np.ndarray]]]) -> list[dict[str, 
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        # Raise the failure itself, not the CancelledError of a rank cancelled
+        # because of it (which may come first in rank order).
+        for task in tasks:
+            if task in done and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
     return [task.result() for task in tasks]
 
 

@@ -1,0 +1,306 @@
+"""Serving split models: the gateway's registry of logical models.
+
+For each logical model of the config (see ``logical``) the registry, on
+start and on a repository load request:
+
+1. reads the source ONNX model and splits it (``layout_split``) into
+   ``tensor_parallel`` x ``pipeline_parallel`` shards grouped into slots;
+2. places ``replicas`` x slots on workers (``placement``: rendezvous
+   hashing, one slot per worker where there are enough);
+3. pushes every shard of a slot to its worker with the repository
+   extension's load-with-override (``config`` JSON + ``file:1/model.onnx``),
+   so Triton servers can host shards too; a shard already there with the
+   same content digest is left alone, which makes a restart cheap;
+4. serves batches: ``infer`` decodes the batch, runs the plan
+   (``PlanExecutor``) with each shard call routed by the router among the
+   workers holding a copy of that shard, and encodes the answer.
+
+Shards are ordinary models on the workers (``<logical>.tp2.r0.s1``); the
+cluster lists them like any other.
+
+Failures: the router retries a shard call on another copy (another replica
+group). When a call finds no copy at all, the registry re-places the missing
+slots on live workers and reruns the whole batch, within its deadline: shard
+calls are stateless, so a rerun is safe. In the background the registry
+keeps placements whole: a slot whose worker went down is re-placed at once
+when nothing else holds its shards, else after ``REPLACE_AFTER_S`` (a
+restarting worker usually returns first, and gets its shards back).
+
+Concurrency: everything runs on the gateway's event loop. Placement changes
+of one model are serialised by its lock; requests never wait on that lock,
+they read the cluster's model map, which only ever shows loaded shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import onnx
+from tritonclient.grpc import service_pb2
+
+from gateway.cluster import Cluster, ModelInfo
+from gateway.config import GatewayConfig
+from gateway.executor import Sender
+from gateway.parallel.execute import PlanExecutor
+from gateway.parallel.layout_split import LayoutSplit, split_layout
+from gateway.parallel.logical import (
+    VERSION,
+    LogicalSpec,
+    ParallelConfigError,
+    read_source,
+    signature,
+)
+from gateway.parallel.placement import SlotKey
+from gateway.parallel.remote import (
+    RemoteShards,
+    arrays_from_request,
+    needed_outputs,
+    response_from_arrays,
+)
+from gateway.parallel.served import ParallelStats, ServedModel
+from gateway.parallel.shard_placement import ShardPlacer
+from protos.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable
+
+log = logging.getLogger(__name__)
+
+MAINTAIN_INTERVAL_S = 2.0
+MAX_ATTEMPTS = 3
+
+
+class LogicalCapacity:
+    """Batcher capacity of a logical model: batches in flight below its limit
+    (replica groups x in-flight per replica x pipeline stages, so consecutive
+    batches overlap across stages), or no worker up at all (fail fast)."""
+
+    def __init__(self, registry: ParallelModels, name: str) -> None:
+        self._registry = registry
+        self._name = name
+
+    def has_capacity(self) -> bool:
+        served = self._registry._served[self._name]
+        return served.inflight < served.limit or not self._registry._placer.any_host_up(served)
+
+    async def wait(self) -> None:
+        if self.has_capacity():
+            return
+        served = self._registry._served[self._name]
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        served.waiters.add(future)
+        try:
+            await future
+        finally:
+            served.waiters.discard(future)
+
+
+class ParallelModels:
+    """The registry of logical models; also the ``Sender`` their batches go through."""
+
+    def __init__(self, config: GatewayConfig, cluster: Cluster, router: Sender) -> None:
+        self._config = config
+        self._cluster = cluster
+        self._router = router
+        self._specs = [LogicalSpec.from_settings(n, s) for n, s in config.logical_models().items()]
+        self._served: dict[str, ServedModel] = {}
+        self._placer = ShardPlacer(cluster)
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        """Split every logical model and place its shards (after the cluster's first probe).
+
+        A source that cannot be read or split raises ``ParallelConfigError``;
+        placement failures are logged and retried in the background.
+        """
+        for spec in self._specs:
+            self._served[spec.name] = await self._prepare(spec, None)
+        for served in self._served.values():
+            await self._reconcile(served, urgent=True)
+        if self._specs:
+            self._unsubscribe = self._cluster.on_change(self._on_cluster_change)
+            self._task = asyncio.create_task(self._maintain(), name="parallel-maintain")
+            self._task.add_done_callback(_log_death)
+
+    async def stop(self) -> None:
+        """Stop maintaining placements. Shards stay loaded: another gateway may serve them."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        tasks = [t for t in [self._task, *(s.repair for s in self._served.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for served in self._served.values():
+            served.wake()
+
+    # ---- views -------------------------------------------------------------
+
+    def serves(self, name: str) -> bool:
+        return name in self._served
+
+    def model(self, name: str) -> ModelInfo | None:
+        """The logical model as clients see it; None when not declared or unloaded."""
+        served = self._served.get(name)
+        return served.info if served is not None and served.loaded else None
+
+    def capacity(self, name: str) -> LogicalCapacity:
+        return LogicalCapacity(self, name)
+
+    def layout(self, name: str) -> LayoutSplit:
+        return self._served[name].layout
+
+    def placement(self, name: str) -> dict[SlotKey, str]:
+        return dict(self._served[name].placement)
+
+    def stats(self) -> dict[str, ParallelStats]:
+        return {name: served.stats() for name, served in self._served.items()}
+
+    def index_entries(self) -> list[service_pb2.RepositoryIndexResponse.ModelIndex]:
+        rows = []
+        for name, served in sorted(self._served.items()):
+            state = "READY" if served.loaded and self._placer.whole(served) else "UNAVAILABLE"
+            reason = served.spec.summary() if served.loaded else "unloaded"
+            rows.append(service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version=VERSION, state=state, reason=reason))
+        return rows
+
+    # ---- inference ---------------------------------------------------------
+
+    async def infer(
+        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
+    ) -> service_pb2.ModelInferResponse:
+        served = self._served[model]
+        # Counted before the first await: the batcher asks has_capacity() again
+        # as soon as this batch task suspends.
+        served.inflight += 1
+        try:
+            return await self._run(served, version, request, deadline)
+        except BaseException:
+            served.count("failures")
+            raise
+        finally:
+            served.inflight -= 1
+            served.wake()
+
+    async def _run(
+        self, served: ServedModel, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
+    ) -> service_pb2.ModelInferResponse:
+        if not served.loaded:
+            raise ModelNotFound(f"Request for unknown model: '{served.spec.name}' is not found")
+        layout, needed = served.layout, served.needed
+        inputs = arrays_from_request(request)
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            runner = RemoteShards(self._router, needed, deadline)
+            try:
+                outputs = await PlanExecutor(layout.plan, runner).run(inputs)
+                break
+            except (Unavailable, ModelNotFound) as e:
+                attempt += 1
+                remaining = None if deadline is None else deadline - loop.time()
+                if attempt >= MAX_ATTEMPTS or (remaining is not None and remaining <= 0):
+                    log.warning("model %s: giving up after %d attempts: %s", served.spec.name, attempt, e)
+                    if remaining is not None and remaining <= 0:
+                        raise DeadlineExceeded(f"deadline exceeded for model '{served.spec.name}'") from None
+                    raise Unavailable(f"model '{served.spec.name}' has shards without a worker right now") from None
+                served.count("retries")
+                log.info("model %s: a shard had no copy left (%s); re-placing and rerunning", served.spec.name, e)
+                await self._repair(served, remaining)
+        elapsed = time.perf_counter() - runner.timing.started
+        remote = runner.timing.remote_s()
+        for key, value in (("batches", 1), ("plan_s", elapsed), ("remote_s", remote),
+                           ("collective_s", max(0.0, elapsed - remote)), ("shard_calls", runner.timing.calls),
+                           ("bytes_sent", runner.timing.bytes_sent), ("bytes_received", runner.timing.bytes_received)):
+            served.count(key, value)
+        return response_from_arrays(request, version or VERSION, outputs, [t.name for t in layout.plan.outputs])
+
+    async def _repair(self, served: ServedModel, timeout_s: float | None) -> None:
+        """Re-place now (one repair shared by every request that needs it), waiting at most ``timeout_s``."""
+        task = served.repair
+        if task is None or task.done():
+            task = served.repair = asyncio.create_task(self._reconcile(served, urgent=True), name=f"repair:{served.spec.name}")
+            task.add_done_callback(_log_death)
+        # Not cancelled on timeout: the placement is worth finishing for later requests.
+        await asyncio.wait({task}, timeout=timeout_s)
+
+    # ---- repository ----------------------------------------------------------
+
+    async def load(self, name: str) -> None:
+        """Re-read and re-split the source, then (re)place and push what changed."""
+        served = self._served[name]
+        try:
+            fresh = await self._prepare(served.spec, served)
+        except ParallelConfigError as e:
+            raise InvalidArgument(f"failed to load '{name}': {e}") from None
+        async with served.lock:
+            for attr in ("layout", "needed", "files", "digests", "info", "limit"):
+                setattr(served, attr, getattr(fresh, attr))
+            served.loaded = True
+            served.excluded.clear()
+        await self._reconcile(served, urgent=True)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name`` and unload its shards from every worker that lists them."""
+        await self._placer.unload(self._served[name])
+
+    # ---- preparation ---------------------------------------------------------
+
+    async def _prepare(self, spec: LogicalSpec, current: ServedModel | None) -> ServedModel:
+        source_bytes, repo_config = await asyncio.to_thread(read_source, spec, self._config.model_repository)
+        try:
+            layout = await asyncio.to_thread(self._split, spec, source_bytes)
+        except Exception as e:  # noqa: BLE001 - whatever stops the split is this model's configuration problem
+            raise ParallelConfigError(f"models.{spec.name}: cannot split {spec.source or spec.path}: {e}") from None
+        files = {name: layout.result.model_bytes(name) for name in layout.result.models}
+        digests = {name: hashlib.sha256(data).hexdigest()[:32] for name, data in files.items()}
+        config, metadata = signature(spec, layout.plan, self._cluster.model(spec.source) if spec.source else None, repo_config)
+        info = ModelInfo(spec.name, (VERSION,), config, metadata, ())
+        limit = spec.max_inflight or spec.replicas * self._config.max_inflight_per_replica * spec.pipeline_parallel
+        served = ServedModel(spec, layout, needed_outputs(layout.plan), files, digests, info, limit)
+        if current is not None:
+            served.placement = dict(current.placement)
+        log.info("logical model %s: %s, %d shards in %d slots x %d replica group(s), max %d batches in flight",
+                 spec.name, spec.summary(), len(files), len(layout.slots), spec.replicas, limit)
+        return served
+
+    @staticmethod
+    def _split(spec: LogicalSpec, source: bytes) -> LayoutSplit:
+        model = onnx.load_from_string(source)
+        return split_layout(model, spec.tensor_parallel, spec.pipeline_parallel, name=spec.name)
+
+    # ---- placement -------------------------------------------------------------
+
+    def _on_cluster_change(self) -> None:
+        self._changed.set()
+        for served in self._served.values():
+            served.wake()
+
+    async def _maintain(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), MAINTAIN_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+            self._changed.clear()
+            for served in list(self._served.values()):
+                try:
+                    await self._reconcile(served, urgent=False)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the upkeep loop must outlive one model's failure
+                    log.exception("logical model %s: keeping its placement failed", served.spec.name)
+
+    async def _reconcile(self, served: ServedModel, *, urgent: bool) -> None:
+        if await self._placer.reconcile(served, list(self._served.values()), urgent=urgent):
+            self._changed.set()  # a worker refused shards: place them elsewhere on the next round
+
+
+def _log_death(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("task %s failed", task.get_name(), exc_info=task.exception())
