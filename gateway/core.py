@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2, service_pb2
@@ -21,7 +22,14 @@ from .batcher import Batcher, BatchPolicy
 from .cluster import Cluster
 from .config import GatewayConfig
 from .executor import build_batch_request, split_batch_response
+from .hedging import HedgeSettings
+from .limits import Admission, AdmissionSettings, within_deadline
+from .metrics import LatencyHistograms
+from .parallel.serving import ParallelModels
+from .outlier import OutlierDetector, OutlierSettings
+from .retry_budget import RetryBudget, RetrySettings
 from .router import Router
+from .security import worker_client_factory
 from .stats import GatewayStats
 from .types import InferRequest, InferResponse
 from .validation import validate_request
@@ -40,6 +48,10 @@ EXTENSIONS = [
 ]
 
 
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
 def _version_key(v: str) -> tuple[int, str]:
     return (int(v), v) if v.isdigit() else (-1, v)
 
@@ -53,13 +65,29 @@ class Gateway:
             config.workers,
             probe_interval_s=config.probe_interval_s,
             failures_to_down=config.probe_failures_to_down,
+            model_hints=tuple(config.models),
+            # The worker token and TLS credentials, when configured.
+            client_factory=worker_client_factory(config),
         )
+        retry = RetrySettings.from_config(config)
         self.router = router or Router(
             self.cluster,
             max_inflight_per_replica=config.max_inflight_per_replica,
             retry_limit=config.retry_limit,
+            retry_backoff_s=retry.backoff_base_s,
+            retry_backoff_max_s=retry.backoff_max_s,
+            retry_budget=RetryBudget.from_settings(retry),
+            outliers=OutlierDetector(OutlierSettings.from_config(config)),
+            hedging=HedgeSettings.from_config(config),
         )
+        # Gateway-wide bounds on admitted requests (requests and bytes in flight).
+        self.admission = Admission(AdmissionSettings.from_config(config))
+        # Logical models split across workers (config `models.<name>.from/path`):
+        # their batches run through the registry's plans instead of one routed call.
+        self.parallel = ParallelModels(config, self.cluster, self.router)
         self.stats = GatewayStats()
+        # End-to-end latency distribution per model, for /metrics and the dashboard.
+        self.latency = LatencyHistograms()
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +97,11 @@ class Gateway:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await self.cluster.start()
+        try:
+            await self.parallel.start()
+        except BaseException:
+            await self.cluster.stop()
+            raise
         self._accepting = True
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -79,12 +112,17 @@ class Gateway:
         self._batchers.clear()
         if batchers:
             await asyncio.gather(*(b.close(grace) for b in batchers), return_exceptions=True)
+        await self.parallel.stop()
         await self.cluster.stop()
+
+    def batchers(self) -> dict[tuple[str, str], Batcher]:
+        """The live batchers by (model, version), for metrics: a copy, safe to iterate."""
+        return dict(self._batchers)
 
     # ---- model resolution ------------------------------------------------
 
     def _model(self, name: str, version: str = "") -> tuple[Any, str]:
-        info = self.cluster.models().get(name)
+        info = self.parallel.model(name) or self.cluster.models().get(name)
         if info is None:
             if name in self.cluster.known_models():
                 # Known but every replica is down (e.g. a worker restarting): retryable.
@@ -101,17 +139,21 @@ class Gateway:
         key = (name, version)
         batcher = self._batchers.get(key)
         if batcher is None:
+            info = self.cluster.model(name)
             policy = BatchPolicy.from_model_config(
                 config,
-                {"max_queue_size": self.config.max_queue_size, **self.config.model_settings(name)},
+                {"max_queue_size": self.config.max_queue_size, **self.config.batching_settings(name)},
                 default_mode=self.config.batching_mode,
+                # Triton servers run the config's dynamic batcher themselves.
+                backend_batches=info is not None and all(w.kind == "triton" for w in info.replicas),
             )
             batched = policy.max_batch_size > 0
 
             async def dispatch(batch: list[InferRequest]) -> list[InferResponse]:
                 return await self._run_batch(name, version, batch, batched)
 
-            batcher = Batcher(f"{name}:{version}", policy, dispatch, self.router.capacity(name, version))
+            capacity = self.parallel.capacity(name) if self.parallel.serves(name) else self.router.capacity(name, version)
+            batcher = Batcher(f"{name}:{version}", policy, dispatch, capacity)
             self._batchers[key] = batcher
             await batcher.start()
         return batcher
@@ -119,9 +161,18 @@ class Gateway:
     # ---- inference -------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
+        # The gateway-wide bounds come first: beyond them a request is refused at once.
+        with self.admission.admit(request):
+            return await self._infer(request)
+
+    async def _infer(self, request: InferRequest) -> InferResponse:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        request.arrival = now
+        # Durations for the statistics come from time.monotonic(): the same clock
+        # as loop.time() under asyncio and uvloop, but uvloop's loop.time() is
+        # cached per loop turn in whole milliseconds, too coarse for latencies.
+        started = time.monotonic()
+        request.arrival = started
         if not self._accepting:
             raise Unavailable("the gateway is shutting down")
         info, version = self._model(request.model, request.version)
@@ -137,20 +188,22 @@ class Gateway:
         request.rows = rows
         batcher = await self._batcher(request.model, version, info.config)
         try:
-            response = await batcher.submit(request)
+            # However long its batch runs for others, a request is answered by its deadline.
+            response = await within_deadline(batcher.submit(request), request.deadline, request.id)
         except InferGateError as e:
-            self.stats.record_failure(request.model, version, int((loop.time() - now) * 1e9), type(e).__name__)
+            self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
             raise
         except asyncio.CancelledError:
-            self.stats.record_failure(request.model, version, int((loop.time() - now) * 1e9), "Cancelled")
+            self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), "Cancelled")
             raise
-        queue_ns = int(max(0.0, request.dispatched - now) * 1e9)
-        self.stats.record_success(request.model, version, rows, int((loop.time() - now) * 1e9), queue_ns)
+        queue_ns = _ns(max(0.0, request.dispatched - started))
+        total_s = time.monotonic() - started
+        self.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)
+        self.latency.observe(request.model, version, total_s)
         return response
 
     async def _run_batch(self, name: str, version: str, batch: list[InferRequest], batched: bool) -> list[InferResponse]:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = time.monotonic()
         for r in batch:
             r.dispatched = start
         rows = [r.rows for r in batch]
@@ -159,8 +212,9 @@ class Gateway:
         # The batch may live as long as its most patient member; members whose
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
-        response = await self.router.infer(name, version, pb, deadline)
-        self.stats.record_execution(name, version, sum(rows), int((loop.time() - start) * 1e9))
+        sender = self.parallel if self.parallel.serves(name) else self.router
+        response = await sender.infer(name, version, pb, deadline)
+        self.stats.record_execution(name, version, sum(rows), _ns(time.monotonic() - start), len(batch))
         responses = split_batch_response(response, batch, rows, batched)
         if len(responses) != len(batch):
             raise Internal(f"batch of {len(batch)} requests produced {len(responses)} responses")
@@ -200,18 +254,34 @@ class Gateway:
             _, resolved = self._model(name, version)
             version = resolved
         known = [(m, max(info.versions, key=_version_key)) for m, info in self.cluster.models().items() if info.versions]
+        known += [(e.name, e.version) for e in self.parallel.index_entries() if self.parallel.model(e.name)]
         return self.stats.to_proto(name, version, known)
+
+    async def worker_statistics(self, name: str = "", version: str = "") -> list[repository.WorkerStatistics]:
+        """Each worker's own statistics of ``name`` (all models when empty): Triton's, or our worker's."""
+        if name:
+            self._model(name, version)
+        return await repository.worker_statistics(self.cluster, name, version)
 
     # ---- repository --------------------------------------------------------
 
     async def repository_index(self, ready_only: bool = False) -> service_pb2.RepositoryIndexResponse:
-        return await repository.merged_index(self.cluster, ready_only)
+        index = await repository.merged_index(self.cluster, ready_only)
+        # Logical models are listed with the shard models their workers report.
+        index.models.extend(e for e in self.parallel.index_entries() if not ready_only or e.state == "READY")
+        return index
 
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
+        if self.parallel.serves(name):
+            await self.parallel.load(name)  # re-split the source and push what changed
+            return
         await repository.load(self.cluster, name, parameters)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        await repository.unload(self.cluster, name, unload_dependents)
+        if self.parallel.serves(name):
+            await self.parallel.unload(name)
+        else:
+            await repository.unload(self.cluster, name, unload_dependents)
         for key in [k for k in self._batchers if k[0] == name]:
             batcher = self._batchers.pop(key)
             await batcher.close(self.config.shutdown_grace_s)

@@ -17,12 +17,14 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
 from .app import install_event_loop_policy, setup_logging, start_gateway, wait_for_signal, write_ready_file
 from .config import ConfigError, GatewayConfig, WorkerSpec, load_config
+from .security import add_security_arguments, local_worker_token, security_overrides
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra argument passed to every worker (repeatable), e.g. --worker-arg=--backend=sim")
     parser.add_argument("--ready-file", default=None, help="write the endpoints as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--no-worker-token", action="store_true",
+                        help="start the workers without a shared token: anyone who can reach their ports may call them")
+    add_security_arguments(parser)
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved here, in the parent: the child runs _die_with_parent between fork
+# and exec, while other threads of this process (gRPC's) may hold the dynamic
+# loader's lock, so loading a library there could hang the child for good.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        with suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalWorker:
@@ -62,6 +81,7 @@ class LocalWorker:
         self.extra_args = extra_args
         self.workdir = workdir
         self.port = 0
+        self.metrics_port = 0  # kept across restarts, like the gRPC port
         self.process: asyncio.subprocess.Process | None = None
         self.stopping = False
 
@@ -76,7 +96,7 @@ class LocalWorker:
         cmd = [
             sys.executable, "-m", "gateway.cli", "worker",
             "--model-repository", self.repository,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--ready-file", str(ready), *self.extra_args,
         ]
         # Own session: a terminal's Ctrl-C reaches only `up`, which stops the
@@ -93,7 +113,9 @@ class LocalWorker:
                 raise RuntimeError(f"worker {self.index} not ready after {WORKER_START_TIMEOUT_S:.0f}s")
             # Polling a condition (the ready file); the worker writes it once it serves.
             await asyncio.sleep(0.05)
-        self.port = int(json.loads(ready.read_text())["grpc_port"])
+        info = json.loads(ready.read_text())
+        self.port = int(info["grpc_port"])
+        self.metrics_port = int(info["metrics_port"])
 
     async def supervise(self) -> None:
         """Restart the worker on its port whenever it exits unexpectedly."""
@@ -126,13 +148,21 @@ class LocalWorker:
 
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
-    workers = [LocalWorker(i, args.model_repository, args.worker_arg, workdir) for i in range(args.workers)]
+    worker_args = list(args.worker_arg)
+    token_file: Path | None = None
+    if not args.no_worker_token:
+        # One token for both sides, so only this gateway can drive these workers.
+        token_file = local_worker_token(workdir, config)
+        worker_args += ["--auth-token-file", str(token_file)]
+        config = replace(config, worker_token_file=str(token_file))
+    workers = [LocalWorker(i, args.model_repository, worker_args, workdir) for i in range(args.workers)]
     supervisors: set[asyncio.Task[None]] = set()
     running = None
     try:
         await asyncio.gather(*(w.start() for w in workers))
         config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
-        running = await start_gateway(config)
+        metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
+        running = await start_gateway(config, worker_metrics_urls=metrics_urls)
         for w in workers:
             task = asyncio.create_task(w.supervise(), name=f"supervise-worker-{w.index}")
             supervisors.add(task)
@@ -141,7 +171,12 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             "http_port": running.http_port,
             "grpc_port": running.grpc_port,
             "gateway_pid": os.getpid(),
-            "workers": [{"address": w.address, "pid": w.process.pid if w.process else None} for w in workers],
+            # For tools that call the workers directly (readable by this user only).
+            "worker_token_file": str(token_file) if token_file is not None else None,
+            "workers": [
+                {"address": w.address, "metrics_port": w.metrics_port, "pid": w.process.pid if w.process else None}
+                for w in workers
+            ],
         }
         write_ready_file(args.ready_file, endpoints)
         host = config.host
@@ -175,10 +210,18 @@ def run(args: argparse.Namespace) -> int:
               "(build the examples with `infergate models build`)", file=sys.stderr)
         return 2
     try:
+        # The gateway reads the workers' repository too: logical models declared
+        # with `from: <model>` are split from it.
         config = load_config(args.config, host=args.host, http_port=args.http_port,
-                             grpc_port=args.grpc_port, batching_mode=args.batching_mode)
+                             grpc_port=args.grpc_port, batching_mode=args.batching_mode,
+                             model_repository=str(Path(args.model_repository).resolve()),
+                             **security_overrides(args))
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2
     install_event_loop_policy()
-    return asyncio.run(serve(args, config))
+    try:
+        return asyncio.run(serve(args, config))
+    except ConfigError as e:  # found while starting, e.g. a logical model that cannot be split
+        print(f"infergate up: {e}", file=sys.stderr)
+        return 2
