@@ -6,9 +6,22 @@ RepositoryIndex, then ModelConfig and ModelMetadata of each READY model when
 the index changed) and keeps the gateway's model map: the union of the models
 of the healthy workers. A worker goes DOWN after ``failures_to_down``
 consecutive failed probes, or at once when the router sees its connection
-fail; one successful probe brings it back. Workers can be added and removed
-while the gateway runs. Listeners registered with :meth:`Cluster.on_change`
-hear about every change of the map or of a worker's state.
+fail; one successful probe brings it back. A worker that answers that it no
+longer serves a model (unloaded, or a Triton server shutting down) leaves
+that model's rotation at once (:meth:`Cluster.model_gone`).
+
+Triton servers are probed with the same calls, with two differences: health
+is ServerLive (Triton's ServerReady is false while any one model loads or
+unloads), and the index is completed from its statistics (its index omits
+models loaded with an override). A Triton server whose restricted protocols
+(``--grpc-restricted-protocol``) the worker's headers do not unlock is still
+served: its models are looked up by name, and what could not be read is kept
+in ``WorkerState.unreadable`` for the logs and the statistics page. In a mixed
+pool the model map batches to the smallest ``max_batch_size`` of the replicas.
+
+Workers can be added and removed while the gateway runs. Listeners registered
+with :meth:`Cluster.on_change` hear about every change of the map or of a
+worker's state.
 
 Everything here runs on the gateway's one event loop; state is changed only
 between awaits, so readers (the router, on the hot path) never see a
@@ -74,6 +87,12 @@ class WorkerState:
     retries: int = 0  # batches that failed here and were retried on a replica
     # READY (name, version) pairs of the last index; details are re-read only when it changes.
     index: frozenset[tuple[str, str]] = frozenset()
+    # Calls this worker refused (call -> reason), e.g. a restricted repository index.
+    unreadable: dict[str, str] = field(default_factory=dict)
+    # "explicit", "none" (it refused a load or unload) or "" (not known yet).
+    model_control: str = ""
+    # Models loaded here through the gateway: looked up by name when no list is readable.
+    loaded: set[str] = field(default_factory=set)
     # Serialises probes of this worker (the periodic loop and refresh()).
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -123,6 +142,7 @@ class Cluster:
         probe_timeout_s: float = 5.0,
         start_timeout_s: float = 10.0,
         client_factory: ClientFactory = _default_client,
+        model_hints: Sequence[str] = (),
     ) -> None:
         if failures_to_down < 1:
             raise ValueError("failures_to_down must be at least 1")
@@ -131,6 +151,8 @@ class Cluster:
         self._probe_timeout_s = probe_timeout_s
         self._start_timeout_s = start_timeout_s
         self._client_factory = client_factory
+        # Names to ask a worker about when its repository index is unreadable.
+        self._model_hints = tuple(model_hints)
         self._workers: dict[str, WorkerState] = {}
         for spec in workers:
             if spec.address not in self._workers:
@@ -147,6 +169,11 @@ class Cluster:
             return
         try:
             await asyncio.wait_for(self._probe_all(force=True), self._start_timeout_s)
+            # Workers whose models are looked up by name were probed beside the
+            # others; now the names the others serve are known, ask them again.
+            unlisted = {"repository_index", "statistics"}
+            by_name = [w for w in self._workers.values() if w.is_up and unlisted <= w.unreadable.keys()]
+            await asyncio.wait_for(asyncio.gather(*(self._probe(w, True) for w in by_name)), self._start_timeout_s)
         except asyncio.TimeoutError:
             log.warning("first probe of the workers took over %.1fs; unanswered workers start DOWN", self._start_timeout_s)
         self._task = asyncio.create_task(self._probe_loop(), name="cluster-probe")
@@ -260,6 +287,19 @@ class Cluster:
         log.warning("worker %s marked DOWN: %s", worker.address, reason)
         self._changed()
 
+    def model_gone(self, worker: WorkerState, name: str, reason: str) -> None:
+        """``worker`` answered that it does not serve ``name`` now: take it out of that model's rotation.
+
+        The next probe re-reads the worker's models and brings the model back if it returns.
+        """
+        if name not in worker.models or self._workers.get(worker.address) is not worker:
+            return
+        # Replaced, not mutated: readers may hold the old dict.
+        worker.models = {n: m for n, m in worker.models.items() if n != name}
+        worker.index = frozenset()
+        log.warning("worker %s no longer serves model %s: %s", worker.address, name, reason)
+        self._changed()
+
     async def refresh(self, address: str | None = None) -> None:
         """Probe now, re-reading every model's config and metadata (after a load or unload)."""
         if address is None:
@@ -292,10 +332,14 @@ class Cluster:
     ) -> tuple[frozenset[tuple[str, str]], dict[str, WorkerModel] | None]:
         """The worker's READY index, and its models' details when they may have changed (else None)."""
         client, timeout_s = worker.client, self._probe_timeout_s
-        if not await client.server_ready(timeout_s):
+        if worker.kind == "triton":
+            # Triton's ServerReady is false while any one of its models loads or
+            # unloads (strict readiness); each model's readiness is in the index.
+            if not await client.server_live(timeout_s):
+                raise Unavailable("server is not live")
+        elif not await client.server_ready(timeout_s):
             raise Unavailable("server is not ready")
-        entries = await client.repository_index(ready=True, timeout_s=timeout_s)
-        index = frozenset((e.name, e.version) for e in entries if e.state == "READY")
+        index = await self._ready_index(worker)
         if not force and worker.is_up and index == worker.index:
             return index, None
         names = sorted({name for name, _ in index})
@@ -308,6 +352,70 @@ class Cluster:
             versions = {v for n, v in index if n == name and v} or set(metadata.versions)
             models[name] = WorkerModel(name, tuple(sorted(versions, key=version_key)), config, metadata)
         return index, models
+
+    async def _ready_index(self, worker: WorkerState) -> frozenset[tuple[str, str]]:
+        """The worker's READY (name, version) pairs.
+
+        From its repository index; for a Triton server also from its
+        statistics, which list every loaded version (its index lists only the
+        models in its repository directories, not those loaded with an
+        override). What cannot be read is noted; candidate names then come
+        from what is known (this worker's models, names loaded through the
+        gateway, and, without an index, other workers' and configured names)
+        and each is checked with ModelReady (the unrestricted metadata group).
+        """
+        client, timeout_s = worker.client, self._probe_timeout_s
+        ready: set[tuple[str, str]] = set()
+        try:
+            entries = await client.repository_index(ready=True, timeout_s=timeout_s)
+        except WorkerUnreachable:
+            raise
+        except InferGateError as e:
+            self._unreadable(worker, "repository_index", e)
+            readable = False
+        else:
+            self._readable(worker, "repository_index")
+            ready = {(e.name, e.version) for e in entries if e.state == "READY"}
+            readable = True
+            if worker.kind != "triton":
+                return frozenset(ready)
+        try:
+            stats = await client.model_statistics(timeout_s=timeout_s)
+        except WorkerUnreachable:
+            raise
+        except InferGateError as e:
+            self._unreadable(worker, "statistics", e)
+            names = set(worker.models) | worker.loaded
+            if not readable:
+                names.update(self._model_hints)
+                for other in self._workers.values():
+                    names.update(other.models)
+            known = {name for name, _ in ready}
+            candidates = sorted((name, "") for name in names - known)
+        else:
+            self._readable(worker, "statistics")
+            candidates = sorted({(m.name, m.version) for m in stats.model_stats} - ready)
+        answers = await asyncio.gather(
+            *(client.model_ready(name, version, timeout_s) for name, version in candidates), return_exceptions=True
+        )
+        for candidate, answer in zip(candidates, answers):
+            if isinstance(answer, WorkerUnreachable):
+                raise answer
+            if answer is True:
+                ready.add(candidate)
+        return frozenset(ready)
+
+    def _unreadable(self, worker: WorkerState, call: str, error: InferGateError) -> None:
+        if call not in worker.unreadable:
+            log.warning(
+                "worker %s: cannot read its %s (%s); its models are looked up by name. "
+                "Configure the headers its restricted protocols need", worker.address, call.replace("_", " "), error,
+            )
+        worker.unreadable[call] = str(error)
+
+    def _readable(self, worker: WorkerState, call: str) -> None:
+        if worker.unreadable.pop(call, None) is not None:
+            log.info("worker %s: its %s is readable again", worker.address, call.replace("_", " "))
 
     async def _read_model(
         self, client: WorkerClient, name: str
@@ -380,11 +488,27 @@ class Cluster:
         for name, ws in replicas.items():
             # Config and metadata of the first worker (in the order workers were
             # added) so the view does not flap between replicas that differ.
+            # Backends and instances may differ (our worker beside a Triton
+            # server); the signature should not.
             first = ws[0].models[name]
-            if any(w.models[name].config != first.config for w in ws[1:]):
-                log.warning("model %s: workers disagree on its config; using %s's", name, ws[0].address)
+            config = first.config
+            if any(_signature(w.models[name].config) != _signature(config) for w in ws[1:]):
+                log.warning("model %s: workers disagree on its inputs or outputs; using %s's", name, ws[0].address)
+            sizes = {w.models[name].config.max_batch_size for w in ws}
+            if len(sizes) > 1 and min(sizes) > 0:
+                # Every batch must fit every replica it may be sent to.
+                config = model_config_pb2.ModelConfig()
+                config.CopyFrom(first.config)
+                config.max_batch_size = min(sizes)
             versions = {v for w in ws for v in w.models[name].versions}
-            models[name] = ModelInfo(
-                name, tuple(sorted(versions, key=version_key)), first.config, first.metadata, tuple(ws)
-            )
+            models[name] = ModelInfo(name, tuple(sorted(versions, key=version_key)), config, first.metadata, tuple(ws))
         return models
+
+
+def _signature(config: model_config_pb2.ModelConfig) -> tuple[object, ...]:
+    """What requests to a model depend on: its tensors and whether it batches."""
+    return (
+        tuple(i.SerializeToString(deterministic=True) for i in config.input),
+        tuple(o.SerializeToString(deterministic=True) for o in config.output),
+        config.max_batch_size > 0,
+    )

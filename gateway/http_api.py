@@ -10,7 +10,10 @@ lives in ``gateway.http_codec``.
 Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
 ``/infer``, and ``/v2/repository/index``,
-``/v2/repository/models/{m}/load|unload``.
+``/v2/repository/models/{m}/load|unload``. The statistics endpoints take
+``?workers=true`` to add a ``workers`` section: each worker's own statistics
+(Triton's or our worker's) beside the gateway's; without it the body is
+exactly Triton's.
 
 Request bodies are read whole (at most ``max_request_bytes``, 413 beyond)
 and gzip/deflate bodies inflated here, with the same bound on the result;
@@ -44,8 +47,9 @@ from gateway.http_codec import (
     inflate_bounded,
     parse_json_object,
 )
+from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.types import InferenceCore
-from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable
+from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +190,14 @@ class _HttpApi:
     async def statistics(self, request: web.Request) -> web.Response:
         name, version = _model_path(request)
         stats = await self._core.model_statistics(name, version)
-        return _json(message_to_json(stats, include_unset_messages=True))
+        body = message_to_json(stats, include_unset_messages=True)
+        if _query_flag(request, "workers"):
+            # An extension of the core beyond InferenceCore: fake cores may lack it.
+            read = getattr(self._core, "worker_statistics", None)
+            if read is None:
+                raise Unsupported("this server has no per-worker statistics")
+            body["workers"] = [_worker_statistics_json(w) for w in await read(name, version)]
+        return _json(body)
 
     # --- repository --------------------------------------------------------
 
@@ -217,6 +228,8 @@ class _HttpApi:
         now = asyncio.get_running_loop().time()  # the request's `timeout` counts from here
         body = await self._read_body(request)
         decoded = decode_infer_request(body, header_length, model=name, version=version, now=now)
+        # The HTTP counterpart of a gRPC deadline (Triton defines none): milliseconds from arrival.
+        apply_timeout_header(decoded.request, request.headers.get(TIMEOUT_HEADER), now)
         _request_id.set(decoded.request.id)
         response = await self._core.infer(decoded.request)
         return await _send_infer(request, encode_infer_response(response, decoded))
@@ -362,6 +375,34 @@ def bool_field(doc: Mapping[str, Any], key: str, what: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument(f"{what}: '{key}' must be true or false, got {value!r}")
     return value
+
+
+def _query_flag(request: web.Request, key: str) -> bool:
+    value = request.query.get(key)
+    if value is None:
+        return False
+    if value.lower() in ("", "1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise InvalidArgument(f"query parameter '{key}' must be true or false, got {value!r}")
+
+
+def _worker_statistics_json(worker: Any) -> dict[str, Any]:
+    """One ``gateway.repository.WorkerStatistics`` as JSON: Triton's ``model_stats`` or an ``error``."""
+    out: dict[str, Any] = {
+        "address": worker.address,
+        "kind": worker.kind,
+        "state": worker.state,
+        "model_control": worker.model_control,
+    }
+    if worker.statistics is not None:
+        out["model_stats"] = message_to_json(worker.statistics, include_unset_messages=True).get("model_stats", [])
+    if worker.error:
+        out["error"] = worker.error
+    if worker.unreadable:
+        out["unreadable"] = dict(worker.unreadable)
+    return out
 
 
 def _model_path(request: web.Request) -> tuple[str, str]:

@@ -5,7 +5,11 @@ It owns the channel (one HTTP/2 connection, multiplexed by every caller), the
 per-call metadata and the one place where a worker's gRPC status becomes a
 ``protos.errors`` exception. Transport failures (refused, reset, closed
 connection) become :class:`WorkerUnreachable`, an ``Unavailable`` the router
-retries elsewhere and that lets it mark the worker down at once.
+retries elsewhere and that lets it mark the worker down at once. Three answers
+of a live Triton server get classes of their own, still ``Unavailable`` (the
+code passes through unchanged): :class:`RestrictedProtocol` (a protocol group
+its headers do not unlock), :class:`ModelNotReady` (a model unloading) and
+:class:`ModelControlDisabled` (no explicit model control, so no load or unload).
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ _Resp = TypeVar("_Resp")
 
 class WorkerUnreachable(Unavailable):
     """The call did not reach the worker, or its connection broke: retryable."""
+
+
+class RestrictedProtocol(Unavailable):
+    """The worker refused a protocol group that the headers sent do not unlock
+    (Triton's ``--grpc-restricted-protocol``): the worker is up, the call is not allowed."""
+
+
+class ModelNotReady(Unavailable):
+    """The worker has the model but not ready (Triton unloading it, or shutting down):
+    retryable, and that replica should leave the model's rotation."""
+
+
+class ModelControlDisabled(Unavailable):
+    """The worker does not load or unload models on request (a Triton server
+    without ``--model-control-mode=explicit``); it serves what it loaded at start."""
 
 
 class WorkerClient:
@@ -119,6 +138,16 @@ class WorkerClient:
         # state tells the two apart without parsing messages.
         if code in _TRANSPORT_CODES and (self._closed or not self.connected()):
             return WorkerUnreachable(f"worker {self.address} unreachable: {details}")
+        if code is grpc.StatusCode.UNAVAILABLE:
+            # Triton answers each of these with UNAVAILABLE on a live connection,
+            # like a server that is not ready; only its message tells them apart.
+            lowered = details.lower()
+            if "protocol is restricted" in lowered:
+                return RestrictedProtocol(details)
+            if "load / unload is not allowed" in lowered:
+                return ModelControlDisabled(details)
+            if "is not at ready state" in lowered:
+                return ModelNotReady(details)
         return from_grpc_code(code, details)
 
     # ---- inference --------------------------------------------------------

@@ -1,0 +1,159 @@
+"""``mlp`` on a real Triton Inference Server, directly and through the gateway,
+beside the gateway in front of one of our own workers, in one run.
+
+Starts, on this machine:
+
+* a Triton server (the ``tritonserver`` bundled with ``nvidia-pytriton``)
+  serving the Python-backend copy of ``mlp`` (models/triton.py: ONNX Runtime
+  on the CPU inside Triton's Python stub, Triton's dynamic batcher on);
+* an infergate worker serving the ONNX ``mlp``;
+* one gateway in front of the Triton server and one in front of the worker.
+
+Both servers get the same number of single-threaded ONNX Runtime executors
+(Triton: instances of the model; the worker: execution threads), so the
+comparison is of the serving paths, not of thread counts. Then
+``infergate bench`` (closed loop, gRPC, batch 1) measures each target at each
+concurrency level, targets interleaved per level so drift in the machine's
+load hits all three alike: Triton directly, the gateway to Triton, the
+gateway to the worker.
+
+Run: ``python bench/triton_compare.py [--concurrency 16 64] [--json out.json]``.
+Linux x86_64 only (the bundled Triton). Clients and servers share the
+machine: on a small one, read the numbers as ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from models.build import build_repository
+from models.triton import build_triton_repository
+from tests.harness import Proc, start, start_worker, worker_url
+from tests.triton_harness import start_triton, triton_available
+
+MODEL = "mlp"
+
+
+def prepare_repositories(workdir: Path, executors: int) -> tuple[Path, Path]:
+    """The ONNX repository (``mlp`` only) and its Triton twin with ``executors`` CPU instances."""
+    full = workdir / "all-models"
+    build_repository(full)
+    onnx_repo = workdir / "onnx"
+    onnx_repo.mkdir()
+    shutil.copytree(full / MODEL, onnx_repo / MODEL)
+    triton_repo = workdir / "triton"
+    build_triton_repository(onnx_repo, triton_repo, [MODEL], intra_op_threads=1)
+    config_path = triton_repo / MODEL / "config.pbtxt"
+    config = text_format.Parse(config_path.read_text(), mc.ModelConfig())
+    config.instance_group[0].count = executors
+    config_path.write_text(text_format.MessageToString(config))
+    return onnx_repo, triton_repo
+
+
+def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One ``infergate bench`` level against ``url``; its level record from the JSON report."""
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "bench", "-m", MODEL, "-u", url, "-i", "grpc",
+        "--concurrency-range", f"{concurrency}:{concurrency}:1",
+        "-p", str(args.measurement_ms), "-r", str(args.max_trials), "-s", str(args.stability),
+        "--warmup", args.warmup, "--processes", str(args.client_processes), "--json", str(out),
+    ]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    [level] = json.loads(out.read_text())["levels"]
+    return level
+
+
+def summarize(level: dict[str, Any]) -> dict[str, Any]:
+    server = level.get("server") or {}
+    return {
+        "throughput_rps": level["throughput_rps"],
+        "p50_ms": level["latency"]["p50_us"] / 1000.0,
+        "p99_ms": level["latency"]["p99_us"] / 1000.0,
+        "errors": level["error_count"],
+        "stable": level["stable"],
+        "server_avg_batch": server.get("avg_batch"),
+        "client_saturated": level["client_saturated"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--executors", type=int, default=min(4, os.cpu_count() or 1),
+                        help="single-threaded ONNX Runtime executors per server (default: cores, at most 4)")
+    parser.add_argument("--measurement-ms", type=int, default=4000)
+    parser.add_argument("--max-trials", type=int, default=4)
+    parser.add_argument("--stability", type=float, default=15.0)
+    parser.add_argument("--warmup", default="2s")
+    parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    available, reason = triton_available()
+    if not available:
+        print(f"triton_compare: no real Triton here: {reason}", file=sys.stderr)
+        return 2
+
+    workdir = Path(tempfile.mkdtemp(prefix="infergate-triton-compare-"))
+    procs: list[Any] = []
+    try:
+        onnx_repo, triton_repo = prepare_repositories(workdir, args.executors)
+        triton = start_triton(triton_repo, models=[MODEL], workdir=workdir)
+        procs.append(triton)
+        worker = start_worker(onnx_repo, "--execution-threads", str(args.executors), "--intra-op-threads", "1",
+                              "--log-level", "warning")
+        procs.append(worker)
+        gateways: dict[str, Proc] = {}
+        for name, address in (("triton", f"triton://{triton.grpc_url}"), ("worker", worker_url(worker))):
+            gateways[name] = start(["gateway", "--http-port", "0", "--grpc-port", "0", "--worker", address,
+                                    "--log-level", "WARNING"])
+            procs.append(gateways[name])
+        targets = {
+            "triton direct": triton.grpc_url,
+            "gateway -> triton": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
+            "gateway -> infergate worker": f"127.0.0.1:{gateways['worker'].ready['grpc_port']}",
+        }
+        results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in targets}
+        for concurrency in args.concurrency:
+            for name, url in targets.items():
+                level = bench(url, concurrency, args, workdir / "level.json")
+                results[name][concurrency] = summarize(level)
+                r = results[name][concurrency]
+                batch = r["server_avg_batch"]
+                print(f"{name:<28} c={concurrency:<3} {r['throughput_rps']:8.0f} req/s  "
+                      f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  errors {r['errors']}  "
+                      f"server batch {batch if batch is None else round(batch, 1)}", flush=True)
+    finally:
+        # Gateways first, then the servers behind them.
+        for proc in reversed(procs):
+            proc.stop(check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    header = "| target | " + " | ".join(f"c={c} req/s | c={c} p99 ms" for c in args.concurrency) + " |"
+    print(header)
+    print("|" + "---|" * (1 + 2 * len(args.concurrency)))
+    for name, by_level in results.items():
+        cells = [f"{by_level[c]['throughput_rps']:.0f} | {by_level[c]['p99_ms']:.1f}" for c in args.concurrency]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"executors": args.executors, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
