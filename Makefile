@@ -37,7 +37,11 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
+k8s-check: $(STAMP)
+	$(PY) deploy/k8s_check.py
+
 test: install browser
+	$(PY) deploy/k8s_check.py
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install
