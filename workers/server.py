@@ -6,6 +6,10 @@ Start: bind the port -> load the models -> start serving -> health SERVING ->
 write the ready file (``{"grpc_port": N, "pid": N}``, atomically) -> log
 ``infergate worker serving on HOST:PORT (providers: ...)``.
 
+With ``--gateway HOST:PORT`` the worker registers with that gateway once it
+serves and heartbeats to it (``workers/registration.py``); on stop it
+deregisters first, so the gateway sends no new work before the listener closes.
+
 Stop (SIGTERM or SIGINT): health NOT_SERVING and ServerReady false -> the
 listener stops taking calls -> requests in progress finish (up to
 ``--grace-period``) -> whatever remains (idle streams, health watchers) is
@@ -35,8 +39,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from protos.errors import InferGateError
+from workers.auth import WorkerAuthError, WorkerSecurity
+from workers.auth import add_arguments as add_access_arguments
 from workers.backends.base import BackendOptions, backend_names, create_backend
 from workers.manager import ModelManager
+from workers.metrics import DeviceCollector, MetricsServer, WorkerModelCollector
+from workers.registration import Registration, start_registration
+from workers.registration import add_arguments as add_registration_arguments
 from workers.repository import ModelRepository
 from workers.service import InferenceService
 
@@ -47,6 +56,13 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 SERVICE_NAME = "inference.GRPCInferenceService"
 
 
+_SIM_FLAGS = (
+    ("--sim-latency-ms", "latency_ms", "fixed time of every batch, ms"),
+    ("--sim-per-row-us", "per_row_us", "added time per row of a batch, us"),
+    ("--sim-jitter-pct", "jitter_pct", "uniform +-%% spread of each batch's time"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", required=True, type=Path, help="Triton-layout model repository")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -55,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend-option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific setting (repeatable)"
     )
+    # Shorthands for the sim backend's options (--backend-option latency_ms=... etc.).
+    for flag, key, meaning in _SIM_FLAGS:
+        parser.add_argument(flag, type=float, default=None, dest=f"sim_{key}", help=f"--backend sim: {meaning}")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when a GPU is usable")
     parser.add_argument("--intra-op-threads", type=int, default=0, help="threads per execution (0 = a quarter of the cores)")
     parser.add_argument(
@@ -66,8 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-queue-size", type=int, default=1024, help="requests waiting per model before UNAVAILABLE")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish in-flight work on shutdown/unload")
-    parser.add_argument("--ready-file", type=Path, help="write {grpc_port, pid} as JSON here once serving")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve Prometheus /metrics over HTTP on this port (0 = any free port; default: off)",
+    )
+    parser.add_argument("--ready-file", type=Path, help="write {grpc_port, metrics_port, pid} as JSON here once serving")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_access_arguments(parser)
+    add_registration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +111,9 @@ def _backend_options(args: argparse.Namespace) -> BackendOptions:
         if not sep or not key:
             raise InferGateError(f"--backend-option {item!r}: expected KEY=VALUE")
         extra[key] = value
+    for _, key, _ in _SIM_FLAGS:
+        if getattr(args, f"sim_{key}", None) is not None:
+            extra[key] = repr(getattr(args, f"sim_{key}"))
     return BackendOptions(
         device=args.device,
         intra_op_threads=max(0, args.intra_op_threads),
@@ -101,10 +129,13 @@ def _startup_models(args: argparse.Namespace, repository: ModelRepository) -> li
     return list(dict.fromkeys(args.load_model))
 
 
-def write_ready_file(path: Path, port: int) -> None:
+def write_ready_file(path: Path, port: int, metrics_port: int | None = None) -> None:
     """Atomic: a reader sees no file or the whole JSON, never a partial one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"grpc_port": port, "pid": os.getpid()}))
+    payload: dict[str, int] = {"grpc_port": port, "pid": os.getpid()}
+    if metrics_port is not None:
+        payload["metrics_port"] = metrics_port
+    tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)
 
 
@@ -112,6 +143,11 @@ async def serve(args: argparse.Namespace) -> int:
     repository = ModelRepository(args.model_repository)
     if not args.model_repository.is_dir():
         logger.error("model repository %s is not a directory", args.model_repository)
+        return 2
+    try:
+        security = WorkerSecurity.from_args(args)
+    except WorkerAuthError as exc:
+        logger.error("%s", exc)
         return 2
     try:
         backend = create_backend(args.backend, _backend_options(args))
@@ -123,8 +159,11 @@ async def serve(args: argparse.Namespace) -> int:
         repository, backend, staging_root=staging, max_queue_size=args.max_queue_size, drain_timeout_s=args.grace_period
     )
     service = InferenceService(manager)
+    devices = DeviceCollector()
+    metrics = MetricsServer([WorkerModelCollector(manager), devices])
     health_service = health.aio.HealthServicer()
     server = grpc.aio.server(
+        interceptors=security.interceptors(),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -137,6 +176,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    registration: Registration | None = None
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
@@ -150,27 +190,46 @@ async def serve(args: argparse.Namespace) -> int:
 
     try:
         try:
-            port = server.add_insecure_port(f"{args.host}:{args.port}")
+            port = security.add_port(server, f"{args.host}:{args.port}")
         except RuntimeError as exc:
             port = 0
             logger.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
         if port == 0:
             logger.error("cannot listen on %s:%s", args.host, args.port)
             return 2
-        logger.info("backend %s: %s", args.backend, backend.describe())
+        logger.info("backend %s: %s; access: %s", args.backend, backend.describe(), security.describe())
         await manager.load_all(_startup_models(args, repository))
         if stop.is_set():
             return 0
         await server.start()
+        metrics_port: int | None = None
+        if args.metrics_port is not None:
+            try:
+                metrics_port = await metrics.start(args.host, args.metrics_port)
+            except OSError as exc:
+                logger.error("cannot serve metrics on %s:%s: %s", args.host, args.metrics_port, exc)
+                await server.stop(None)
+                return 2
+            logger.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
         for name in ("", SERVICE_NAME):
             await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # --gateway: join the gateways' clusters now that the port serves.
+        registration = await start_registration(
+            args, manager, use_gpus=backend.gpu_count() > 0, port=port, metrics_port=metrics_port)
         if args.ready_file is not None:
-            write_ready_file(args.ready_file, port)
+            write_ready_file(args.ready_file, port, metrics_port)
         logger.info("infergate worker serving on %s:%d (%s)", args.host, port, backend.describe())
         await stop.wait()
+        if registration is not None:
+            # Deregister first: the gateways stop sending work before the listener closes.
+            await registration.stop()
         await _shutdown(server, service, health_service, args.grace_period)
         return 0
     finally:
+        if registration is not None:
+            await registration.stop()
+        await metrics.stop()
+        devices.close()
         await manager.close()
         backend.close()
         shutil.rmtree(staging, ignore_errors=True)
