@@ -126,6 +126,13 @@ class ModelManager:
     def loaded(self) -> list[LoadedModel]:
         return [m for entry in self._entries.values() for m in entry.versions.values()]
 
+    def source_dir(self, name: str) -> Path | None:
+        """Where ``name``'s loaded versions were read from: its override's staging directory, else the repository's."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.staged_dir is not None:
+            return entry.staged_dir
+        return self.repository.model_dir(name)
+
     # --- lifecycle --------------------------------------------------------------
 
     async def load(self, name: str, *, config_json: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
