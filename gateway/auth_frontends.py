@@ -105,6 +105,7 @@ def http_auth_middleware(store: KeyStore) -> Callable[[web.Request, _Handler], A
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _HEALTH = "/grpc.health.v1.Health/"
+_MEMBERSHIP = "/infergate.cluster.v1.ClusterMembership/"
 _OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 _ADMIN_METHODS = frozenset({"RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"})
 # Method -> the request field that names its model.
@@ -122,6 +123,9 @@ def grpc_access(method: str) -> tuple[Access, str | None]:
     """What a call of ``method`` (``/package.Service/Method``) needs, and the
     request field naming its model (None when it names none)."""
     if method.startswith(_HEALTH):
+        return Access.OPEN, None
+    if method.startswith(_MEMBERSHIP):
+        # Workers registering: the registry checks the worker token itself.
         return Access.OPEN, None
     if not method.startswith(_SERVICE):
         return Access.API, None
