@@ -283,10 +283,13 @@ class ParallelModels:
 
     async def _maintain(self) -> None:
         while True:
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a
+            # cancel that lands as the event is set, and stop() would hang.
+            waiter = asyncio.ensure_future(self._changed.wait())
             try:
-                await asyncio.wait_for(self._changed.wait(), MAINTAIN_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait({waiter}, timeout=MAINTAIN_INTERVAL_S)
+            finally:
+                waiter.cancel()
             self._changed.clear()
             for served in list(self._served.values()):
                 try:
