@@ -1,0 +1,211 @@
+"""A steady closed-loop load on a gateway for the reliability tests, with a
+ledger of every request: each carries a unique id, and each answer must echo
+its own id, exactly once.
+
+Clients speak gRPC (raw KServe stubs) and HTTP (JSON) to the ``mlp`` example
+model (``INPUT`` FP32 [n, 64] -> ``OUTPUT`` FP32 [n, 10]). Runs on the test's
+event loop; tests run blocking process control in threads meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+MODEL = "mlp"
+ROW = np.linspace(-1, 1, 64, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    request_id: str
+    protocol: str
+    ok: bool
+    code: str  # "OK", a gRPC status name, or "HTTP <status>"
+    latency_s: float
+    retry_after: str | None = None
+    message: str = ""
+
+
+@dataclass
+class Ledger:
+    """Every request sent and every answer received."""
+
+    sent: list[str] = field(default_factory=list)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    answers: Counter[str] = field(default_factory=Counter)  # echoed ids of successful answers
+    duplicates: list[str] = field(default_factory=list)  # ids answered more than once
+    mismatched: list[tuple[str, str]] = field(default_factory=list)  # (sent id, echoed id)
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for o in self.outcomes.values() if o.ok)
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes.values() if not o.ok]
+
+    def codes(self) -> Counter[str]:
+        return Counter(o.code for o in self.outcomes.values())
+
+    def check_exactly_once(self) -> None:
+        assert not self.duplicates, f"answered more than once: {self.duplicates[:5]}"
+        assert not self.mismatched, f"answers carrying another request's id: {self.mismatched[:5]}"
+        assert len(set(self.sent)) == len(self.sent), "request ids must be unique"
+        assert set(self.outcomes) == set(self.sent), "some requests got no answer at all"
+        assert all(n == 1 for n in self.answers.values())
+        assert set(self.answers) == {i for i, o in self.outcomes.items() if o.ok}
+
+
+class SteadyLoad:
+    """``grpc_clients`` + ``http_clients`` closed-loop clients, each sending the next
+    request as soon as its previous one is answered, until :meth:`stop`."""
+
+    def __init__(
+        self,
+        grpc_port: int,
+        http_port: int,
+        *,
+        grpc_clients: int = 6,
+        http_clients: int = 2,
+        timeout_s: float = 20.0,
+        rows: int = 1,
+        prefix: str = "req",
+        priority: int = 0,
+    ) -> None:
+        self._target = f"127.0.0.1:{grpc_port}"
+        self._http = f"http://127.0.0.1:{http_port}"
+        self._clients = [("grpc", i) for i in range(grpc_clients)] + [("http", i) for i in range(http_clients)]
+        self._timeout_s = timeout_s
+        self._rows = rows
+        self._prefix = prefix
+        self._priority = priority
+        self._seq = itertools.count()
+        self.ledger = Ledger()
+        self._stopping = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._data = np.tile(ROW, (rows, 1))
+
+    async def start(self) -> SteadyLoad:
+        self._channel = grpc.aio.insecure_channel(self._target)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        for protocol, _ in self._clients:
+            coro = self._grpc_client(stub) if protocol == "grpc" else self._http_client(self._session)
+            self._tasks.append(asyncio.create_task(coro))
+        return self
+
+    async def until_ok(self, more: int, timeout_s: float = 60.0) -> None:
+        """Wait until ``more`` further requests have succeeded."""
+        target = self.ledger.ok + more
+        deadline = time.monotonic() + timeout_s
+        while self.ledger.ok < target:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"load made no progress: {self.ledger.ok}/{target} ok, codes {self.ledger.codes()}")
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def outstanding(self) -> set[str]:
+        """Requests sent and not answered yet."""
+        return set(self.ledger.sent) - set(self.ledger.outcomes)
+
+    async def until_answered(self, ids: set[str], timeout_s: float = 60.0) -> None:
+        """Wait until every request in ``ids`` has its answer."""
+        deadline = time.monotonic() + timeout_s
+        while not ids <= self.ledger.outcomes.keys():
+            missing = ids - self.ledger.outcomes.keys()
+            assert time.monotonic() < deadline, f"{len(missing)} requests never answered, e.g. {sorted(missing)[:3]}"
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop(self) -> Ledger:
+        self._stopping.set()
+        await asyncio.gather(*self._tasks)
+        if self._session is not None:
+            await self._session.close()
+        if self._channel is not None:
+            await self._channel.close()
+        return self.ledger
+
+    # ---- clients --------------------------------------------------------------
+
+    def _next_id(self, protocol: str) -> str:
+        request_id = f"{self._prefix}-{protocol}-{next(self._seq)}"
+        self.ledger.sent.append(request_id)
+        return request_id
+
+    def _record(self, outcome: Outcome, echoed: str | None) -> None:
+        ledger = self.ledger
+        if outcome.request_id in ledger.outcomes:
+            ledger.duplicates.append(outcome.request_id)
+        ledger.outcomes[outcome.request_id] = outcome
+        if outcome.ok:
+            if echoed != outcome.request_id:
+                ledger.mismatched.append((outcome.request_id, str(echoed)))
+            ledger.answers[str(echoed)] += 1
+            self._progress.set()
+
+    async def _grpc_client(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+        while not self._stopping.is_set():
+            request_id = self._next_id("grpc")
+            pb = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+            pb.inputs.add(name="INPUT", datatype="FP32", shape=[self._rows, 64])
+            pb.raw_input_contents.append(self._data.tobytes())
+            if self._priority:
+                pb.parameters["priority"].uint64_param = self._priority
+            started = time.monotonic()
+            try:
+                call = stub.ModelInfer(pb, timeout=self._timeout_s)
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                retry_after = dict(e.trailing_metadata() or ()).get("retry-after")
+                self._record(Outcome(request_id, "grpc", False, e.code().name, time.monotonic() - started,
+                                     retry_after, e.details() or ""), None)
+                continue
+            ok = len(response.outputs) == 1 and list(response.outputs[0].shape) == [self._rows, 10]
+            self._record(Outcome(request_id, "grpc", ok, "OK" if ok else "BAD_OUTPUT", time.monotonic() - started),
+                         response.id)
+
+    async def _http_client(self, session: aiohttp.ClientSession) -> None:
+        url = f"{self._http}/v2/models/{MODEL}/infer"
+        data = self._data.tolist()
+        while not self._stopping.is_set():
+            request_id = self._next_id("http")
+            body: dict[str, object] = {
+                "id": request_id,
+                "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [self._rows, 64], "data": data}],
+            }
+            if self._priority:
+                body["parameters"] = {"priority": self._priority}
+            started = time.monotonic()
+            try:
+                async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as r:
+                    payload = await r.json(content_type=None)
+                    latency = time.monotonic() - started
+                    if r.status != 200:
+                        self._record(Outcome(request_id, "http", False, f"HTTP {r.status}", latency,
+                                             r.headers.get("Retry-After"), str(payload.get("error", ""))), None)
+                        continue
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self._record(Outcome(request_id, "http", False, type(e).__name__, time.monotonic() - started,
+                                     None, str(e)), None)
+                continue
+            outputs = payload.get("outputs") or [{}]
+            ok = outputs[0].get("shape") == [self._rows, 10]
+            self._record(Outcome(request_id, "http", ok, "OK" if ok else "BAD_OUTPUT", latency), payload.get("id"))
