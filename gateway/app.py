@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +24,23 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from .cluster_api import add_cluster_routes
 from .config import ConfigError, GatewayConfig, load_config
 from .core import Gateway
+from .dashboard import add_dashboard_routes
+from .drain import add_drain_routes
 from .grpc_api import add_grpc_services
+from .grpc_guard import MalformedRequestGuard
 from .http_api import create_http_app
+from .metrics import add_metrics_routes
+from .registry import add_registry_service
+from .security import GatewaySecurity, add_security_arguments, security_overrides
 
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+# On shutdown, once every request is answered: time left to write the answers out.
+_ANSWER_FLUSH_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker", action="append", default=[], metavar="[triton://]HOST:PORT",
         help="a worker server; repeat for more. triton:// marks a Triton Inference Server",
     )
+    parser.add_argument(
+        "--worker-dns", action="append", default=[], metavar="[triton://]NAME:PORT",
+        help="every address NAME resolves to is a worker (re-resolved; e.g. a Kubernetes headless service)",
+    )
+    parser.add_argument("--load-on-demand", action="store_true", default=None,
+                        help="load a model on a worker when its first request comes (see README: operating a fleet)")
     parser.add_argument("--config", default=None, help="YAML config file (see README: configuration)")
+    parser.add_argument("--model-repository", default=None,
+                        help="the workers' model repository, read only to split logical models declared with `from:`")
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None,
                         help="default batching mode for every model (default adaptive)")
     parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -55,7 +74,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         workers=args.worker or None,
+        worker_dns=args.worker_dns or None,
+        load_on_demand=args.load_on_demand,
         batching_mode=args.batching_mode,
+        model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
+        **security_overrides(args),
     )
 
 
@@ -84,29 +107,49 @@ class RunningGateway:
                 await site.stop()
         grpc_stop = asyncio.create_task(self.grpc_server.stop(grace_s))
         await self.gateway.stop(grace_s)
+        # Every request has its answer now; what still holds the server open is
+        # long-lived calls (health watchers, idle streams). A moment to send the
+        # last answers, then those are cancelled rather than waiting out the grace.
+        await self.grpc_server.stop(min(grace_s, _ANSWER_FLUSH_S))
         await grpc_stop
         await self.http_runner.cleanup()
 
 
-async def start_gateway(config: GatewayConfig, gateway: Gateway | None = None) -> RunningGateway:
+async def start_gateway(
+    config: GatewayConfig, gateway: Gateway | None = None, *, worker_metrics_urls: Mapping[str, str] | None = None
+) -> RunningGateway:
+    """Start every part; ``worker_metrics_urls`` (address -> /metrics URL) lets the cluster API show devices."""
+    # Keys and certificates are read before anything starts: a bad file stops here.
+    security = GatewaySecurity.from_config(config)
     gateway = gateway or Gateway(config)
     await gateway.start()
 
-    grpc_server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    # The decoding guard goes first, so it wraps the others: they never see a malformed message.
+    grpc_server = grpc.aio.server(interceptors=[MalformedRequestGuard(), *security.grpc_interceptors()], options=[
+        # The same bound as an HTTP body: a larger message is refused (RESOURCE_EXHAUSTED) before it is read.
+        ("grpc.max_receive_message_length", min(GRPC_MAX_MESSAGE_BYTES, config.max_request_bytes)),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])
     frontend = add_grpc_services(grpc_server, gateway)
-    grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    # Workers started with --gateway register here (protos/cluster.proto).
+    add_registry_service(grpc_server, gateway.fleet.registry)
+    grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
         raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
     await grpc_server.start()
 
     app = create_http_app(gateway, max_request_bytes=config.max_request_bytes)
+    security.install_http(app)
+    # Observability routes join the REST app before setup freezes it.
+    add_metrics_routes(app, gateway)
+    devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
+    gateway.fleet.registry.on_metrics(devices.set_metrics_url)  # registered workers' devices on /v2/cluster
+    add_drain_routes(app, gateway)
+    add_dashboard_routes(app)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_grace_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=False)
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=False, ssl_context=security.ssl_context)
     await site.start()
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)
@@ -164,5 +207,9 @@ def run(args: argparse.Namespace) -> int:
     if not config.workers:
         log.warning("no workers configured: the gateway serves no model until workers are added")
     install_event_loop_policy()
-    asyncio.run(serve(config, args.ready_file))
+    try:
+        asyncio.run(serve(config, args.ready_file))
+    except ConfigError as e:  # found while starting, e.g. a logical model that cannot be split
+        print(f"infergate gateway: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -11,10 +11,14 @@ batcher and calls ``dispatch`` -> a ``finally`` resolves every entry of it.
 
 Modes:
 
-* ``adaptive`` (default), work-conserving: while a replica can take a batch,
-  what is queued goes at once (up to ``max_batch_size`` rows); while none can,
-  the queue grows and the largest batch goes the moment one frees up. Low load
-  pays no batching delay and high load gets full batches.
+* ``adaptive`` (default), work-conserving: while a replica is idle
+  (``Capacity.has_capacity``), what is queued goes at once (up to
+  ``max_batch_size`` rows); while every replica is busy the queue grows, and
+  the largest batch goes the moment one turns idle. A busy replica that still
+  has room below its in-flight bound (``Capacity.has_room``) only gets full
+  batches, so a worker under load always has its next batch waiting and the
+  gateway never pays a worker call for a handful of rows. Low load pays no
+  batching delay; high load gets large batches.
 * ``fixed``, Triton's dynamic batcher: wait up to ``max_queue_delay_us`` from
   the oldest queued request for a preferred size (or ``max_batch_size`` when
   none is preferred), fire early when a preferred size can be formed. Like
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -52,8 +57,12 @@ Dispatch = Callable[[list[InferRequest]], Awaitable[list[InferResponse]]]
 class Capacity(Protocol):
     """The router's view of one model's replicas.
 
-    ``wait()`` must return promptly when capacity is already free when it is
-    called; the batcher asks ``has_capacity()`` first, then waits.
+    ``has_capacity()``: a batch sent now starts at once (some replica is idle).
+    ``has_room()``: some replica can take one more batch now, busy or not
+    (below its in-flight bound); a Capacity without it is taken to have room
+    exactly when it has capacity. ``wait()`` resolves when either may have
+    changed and must return promptly when ``has_capacity()`` is already true;
+    the batcher asks first, then waits.
     """
 
     def has_capacity(self) -> bool: ...
@@ -85,10 +94,12 @@ class BatcherStats:
     rejected_full: int = 0
     displaced: int = 0
     expired: int = 0  # deadline passed while queued
+    expired_running: int = 0  # deadline passed while its batch ran: answered then, the batch goes on
     timed_out: int = 0  # queue timeout with REJECT
     delayed: int = 0  # queue timeout with DELAY
     cancelled: int = 0  # the caller went away before its batch ran
     batches: int = 0
+    pipelined: int = 0  # full batches sent to a busy replica's spare room
     batched_requests: int = 0
     batched_rows: int = 0
     failed_batches: int = 0
@@ -117,6 +128,12 @@ class _Entry:
     state: _State = _State.QUEUED
 
 
+def _live(timer: tuple[float, int, int, _Entry]) -> bool:
+    """Whether a timer can still act: any on a queued entry, a deadline on a running one."""
+    state = timer[3].state
+    return state is _State.QUEUED or (state is _State.RUNNING and timer[2] == _DEADLINE)
+
+
 def _earliest(a: float | None, b: float | None) -> float | None:
     if a is None:
         return b
@@ -134,8 +151,11 @@ class Batcher:
         self.stats = BatcherStats()
         self._dispatch = dispatch
         self._capacity = capacity
+        room = getattr(capacity, "has_room", None)
+        self._has_room: Callable[[], bool] = room if callable(room) else capacity.has_capacity
         self._clock: Clock = clock or LoopClock()
         self._single = policy.max_batch_size == 0 or policy.mode == "off"
+        self._adaptive = policy.mode == "adaptive" and not self._single
         self._preferred = frozenset(policy.preferred_batch_sizes)
         fixed_pref = policy.mode == "fixed" and policy.preferred_batch_sizes
         self._target_rows = policy.preferred_batch_sizes[-1] if fixed_pref else policy.max_batch_size
@@ -143,7 +163,11 @@ class Batcher:
         levels = max(1, policy.priority_levels)
         self._queues = [(OrderedDict[int, _Entry](), OrderedDict[int, _Entry]()) for _ in range(levels)]
         self._count = 0
-        # Heap of (when, seq, kind, entry). Entries that leave the queue stay in it and are
+        self._rows = 0  # rows of all queued entries, whatever their key
+        self._running = 0  # entries in a running batch and not answered yet
+        # Heap of (when, seq, kind, entry): queue timeouts of queued entries, deadlines of
+        # queued and running ones (a request is answered by its deadline even while its
+        # batch runs on for the others). Items whose entry moved on stay in it and are
         # skipped when popped; it is rebuilt when stale items outnumber the live ones.
         self._timers: list[tuple[float, int, int, _Entry]] = []
         self._seq = 0
@@ -156,12 +180,22 @@ class Batcher:
         self._accepting = False
         self._draining = False
         self._closed = False
-        self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
-        # While the loop waits only for capacity (and a timer), arrivals cannot change what
-        # it will do next, so submit() does not wake it unless it brings an earlier timer.
-        self._blocked_on_capacity = False
+        # The scheduler's wait: one future, set by whatever may change its next move
+        # (an arrival, a finished batch, capacity, a timer, close). Its state is looked
+        # at afresh after every wait, so a wake-up while it is not waiting is not needed.
+        self._waiter: asyncio.Future[None] | None = None
+        # While it waits, an arrival wakes it only once the queue holds this many rows
+        # (0: any arrival; inf: none -- only capacity can change its next move) or when it
+        # brings a timer earlier than _blocked_until.
+        self._wake_rows: float = 0
         self._blocked_until: float | None = None
+        # Kept across waits while still useful: most waits end by an arrival or a batch's
+        # end, and a task per wait for each would cost more than the batching saves.
+        self._timer: asyncio.Future[None] | None = None
+        self._timer_at = 0.0
+        self._capacity_watch: asyncio.Future[None] | None = None
+        self._seam_error: BaseException | None = None  # a failed Clock.sleep or Capacity.wait
 
     # ---- public API ----
 
@@ -180,6 +214,7 @@ class Batcher:
         return len(self._inflight)
 
     async def submit(self, req: InferRequest) -> InferResponse:
+        """Queue ``req`` and wait for its answer, which comes by ``req.deadline`` at the latest."""
         if not self._accepting:
             raise Unavailable(f"model '{self.name}' is not accepting requests")
         now = self._clock.now()
@@ -194,6 +229,7 @@ class Batcher:
         self._seq += 1
         self._queues[slot][0][entry.seq] = entry
         self._count += 1
+        self._rows += rows
         self.stats.accepted += 1
         self._arm(entry)
         try:
@@ -213,7 +249,7 @@ class Batcher:
             return
         self._accepting = False
         self._draining = True
-        self._wakeup.set()
+        self._poke()
         self._check_idle()
         if grace_s > 0 and not self._idle.is_set():
             waiters = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._clock.sleep(grace_s))]
@@ -285,13 +321,14 @@ class Batcher:
             if when is not None:
                 heapq.heappush(self._timers, (when, entry.seq, kind, entry))
                 earliest = _earliest(earliest, when)
-        if len(self._timers) > 2 * self._count + 64:
-            self._timers = [t for t in self._timers if t[3].state is _State.QUEUED]
+        if len(self._timers) > 2 * (self._count + self._running) + 64:
+            self._timers = [t for t in self._timers if _live(t)]
             heapq.heapify(self._timers)
-        if not self._blocked_on_capacity or (
-            earliest is not None and (self._blocked_until is None or earliest < self._blocked_until)
+        if self._waiter is not None and (
+            self._rows >= self._wake_rows
+            or (earliest is not None and (self._blocked_until is None or earliest < self._blocked_until))
         ):
-            self._wakeup.set()
+            self._poke()
 
     # ---- queue bookkeeping ----
 
@@ -305,11 +342,14 @@ class Batcher:
         normal, delayed = self._queues[entry.slot]
         if (delayed if entry.delayed else normal).pop(entry.seq, None) is not None:
             self._count -= 1
+            self._rows -= entry.rows
 
     def _finish(self, entry: _Entry, outcome: InferResponse | BaseException | None) -> None:
         """Give an entry its one outcome (None: its caller is gone). Later calls are no-ops."""
         if entry.state is _State.DONE:
             return
+        if entry.state is _State.RUNNING:
+            self._running -= 1
         entry.state = _State.DONE
         self._check_idle()
         if not self.policy.preserve_ordering:
@@ -345,6 +385,14 @@ class Batcher:
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, _, kind, entry = heapq.heappop(timers)
+            if entry.state is _State.RUNNING and kind == _DEADLINE:
+                # Answered now, out of turn even with preserve_ordering (a deadline is a
+                # promise to the caller); the batch's later answer for it is dropped.
+                if not entry.future.done():
+                    entry.future.set_exception(DeadlineExceeded(f"request '{entry.req.id}' deadline exceeded"))
+                self._finish(entry, None)
+                self.stats.expired_running += 1
+                continue
             if entry.state is not _State.QUEUED:
                 continue
             if kind == _DEADLINE:
@@ -359,33 +407,58 @@ class Batcher:
                     self.stats.delayed += 1
             else:
                 self._unqueue(entry)
-                self._finish(entry, Unavailable(f"request '{entry.req.id}' timed out in the queue"))
+                # Triton's words and code for its queue policy's REJECT, which clients match on.
+                self._finish(entry, Unavailable("Request timeout expired"))
                 self.stats.timed_out += 1
-        while timers and timers[0][3].state is not _State.QUEUED:
+        while timers and not _live(timers[0]):
             heapq.heappop(timers)
 
     # ---- scheduling ----
 
     async def _run(self) -> None:
-        while True:
-            # Cleared before looking at the state, so a wakeup set after this is not lost.
-            self._wakeup.clear()
-            now = self._clock.now()
-            self._expire(now)
-            next_timer = self._timers[0][0] if self._timers else None
-            if self._count == 0:
-                await self._wait(None, want_capacity=False)
-            elif not self._capacity.has_capacity():
-                await self._wait(next_timer, want_capacity=True)
-            else:
-                batch, ready_at = self._form(now)
+        try:
+            while True:
+                if self._seam_error is not None:
+                    raise self._seam_error
+                now = self._clock.now()
+                self._expire(now)
+                if self._count == 0:
+                    next_timer = self._timers[0][0] if self._timers else None  # running entries' deadlines
+                    await self._wait(next_timer, wake_rows=0, want_capacity=False)
+                    continue
+                batch, ready_at, wake_rows = self._next_batch(now)
                 if batch:
                     self._launch(batch)
                     # Let the batch task run to its first suspension, where the router
-                    # takes a replica slot, before has_capacity() is asked again.
+                    # takes a replica slot, before capacity is asked again.
                     await asyncio.sleep(0)
                 else:
-                    await self._wait(_earliest(ready_at, next_timer), want_capacity=False)
+                    next_timer = self._timers[0][0] if self._timers else None
+                    await self._wait(_earliest(ready_at, next_timer), wake_rows=wake_rows,
+                                     want_capacity=ready_at is None)
+        finally:
+            for waiting in (self._timer, self._capacity_watch):
+                if waiting is not None:
+                    waiting.cancel()
+
+    def _next_batch(self, now: float) -> tuple[list[_Entry] | None, float | None, float]:
+        """The batch to send now, or (None, when to look again, the queued rows that are worth a look)."""
+        if self._adaptive and not self._draining:
+            if self._capacity.has_capacity():  # a replica is idle: send what is queued
+                return self._form(now)[0], None, 0
+            # Every replica is busy. One with room still takes a full batch, so that
+            # its next batch is already there when it finishes the current one.
+            if self._rows >= self._target_rows and self._has_room():
+                batch = self._form(now, full_only=True)[0]
+                if batch:
+                    self.stats.pipelined += 1
+                    return batch, None, 0
+                return None, None, self._rows + 1  # mixed keys: look again as rows arrive
+            return None, None, self._target_rows
+        if not self._has_room():
+            return None, None, math.inf
+        batch, ready_at = self._form(now)
+        return batch, ready_at, 0
 
     def _loop_done(self, task: asyncio.Task[None]) -> None:
         if self._closed:
@@ -397,24 +470,42 @@ class Batcher:
         self._accepting = False
         self._fail_queued(Internal("internal error in the batch scheduler"))
 
-    async def _wait(self, wake_at: float | None, *, want_capacity: bool) -> None:
-        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wakeup.wait())]
-        if wake_at is not None:
-            waiters.append(asyncio.ensure_future(self._clock.sleep(max(0.0, wake_at - self._clock.now()))))
-        if want_capacity:
-            waiters.append(asyncio.ensure_future(self._capacity.wait()))
-        self._blocked_on_capacity, self._blocked_until = want_capacity, wake_at
-        try:
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._blocked_on_capacity = False
-            for w in waiters:
-                w.cancel()
-        for w in done:
-            w.result()  # a failing Capacity.wait() or Clock.sleep() fails the scheduler loudly
+    def _poke(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def _form(self, now: float) -> tuple[list[_Entry] | None, float | None]:
-        """The next batch to send now, or (None, when to look again)."""
+    def _seam_done(self, task: asyncio.Future[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and self._seam_error is None:
+            self._seam_error = error  # the scheduler raises it: a broken seam fails loudly
+        self._poke()
+
+    async def _wait(self, wake_at: float | None, *, wake_rows: float, want_capacity: bool) -> None:
+        if wake_at is not None and (self._timer is None or self._timer.done() or wake_at < self._timer_at):
+            # A timer already due earlier stays: waking early only means looking again.
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = wake_at
+            self._timer = asyncio.ensure_future(self._clock.sleep(max(0.0, wake_at - self._clock.now())))
+            self._timer.add_done_callback(self._seam_done)
+        if want_capacity and (self._capacity_watch is None or self._capacity_watch.done()):
+            self._capacity_watch = asyncio.ensure_future(self._capacity.wait())
+            self._capacity_watch.add_done_callback(self._seam_done)
+        self._wake_rows, self._blocked_until = wake_rows, wake_at
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _form(self, now: float, *, full_only: bool = False) -> tuple[list[_Entry] | None, float | None]:
+        """The next batch to send now, or (None, when to look again).
+
+        ``full_only``: a batch only if it reaches the target rows (or cannot grow).
+        """
         batch: list[_Entry] = []
         gone: list[_Entry] = []
         rows = best = 0
@@ -442,7 +533,7 @@ class Batcher:
             self._unqueue(entry)
             self._finish(entry, None)
             self.stats.cancelled += 1
-        if not batch:
+        if not batch or (full_only and not full):
             return None, None
         if self.policy.mode == "fixed" and not self._single:
             if best:
@@ -454,6 +545,7 @@ class Batcher:
         for entry in batch:
             self._unqueue(entry)
             entry.state = _State.RUNNING
+        self._running += len(batch)
         return batch, None
 
     def _launch(self, batch: list[_Entry]) -> None:
@@ -472,7 +564,7 @@ class Batcher:
         for entry in batch:
             self._finish(entry, leftover)  # a no-op for entries already answered
         # A finished batch usually frees a replica slot: look at the queue again.
-        self._wakeup.set()
+        self._poke()
         self._check_idle()
 
     async def _run_batch(self, batch: list[_Entry]) -> None:

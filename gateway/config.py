@@ -16,6 +16,12 @@ import yaml
 
 WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
+# Keys of a `models.<name>` entry that declare a logical (split) model rather
+# than batching settings; see gateway/parallel/serving.py.
+PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight")
+# Keys of a `models.<name>` entry for placement and lifecycle (gateway/placement.py):
+# replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
+PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")
 
 
 class ConfigError(ValueError):
@@ -75,12 +81,90 @@ class GatewayConfig:
     batching_mode: str = "adaptive"
     max_queue_size: int = 1024
     max_inflight_per_replica: int = 2
+    # A replica with this many batches in flight is busy: adaptive batching sends
+    # at once only to a replica below it, and lets batches grow while all are at it.
+    busy_inflight_per_replica: int = 1
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
     default_timeout_s: float = 60.0
     retry_limit: int = 3
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
+    # Reliability (gateway/outlier.py, retry_budget.py, hedging.py, limits.py).
+    # Outlier ejection: N consecutive failures or a latency outlier ejects a
+    # worker for base * (its ejection count), at most max, and never more
+    # than max_ejection_percent of the workers at once.
+    outlier_consecutive_failures: int = 5
+    outlier_base_ejection_s: float = 30.0
+    outlier_max_ejection_s: float = 300.0
+    outlier_max_ejection_percent: float = 50.0
+    outlier_latency_factor: float = 3.0
+    outlier_latency_min_excess_s: float = 0.05
+    # Retries: extra attempts in flight <= max(min_concurrency, percent of calls
+    # in flight); full-jitter exponential backoff from base to max.
+    retry_budget_percent: float = 20.0
+    retry_min_concurrency: int = 3
+    retry_backoff_base_s: float = 0.025
+    retry_backoff_max_s: float = 0.25
+    # Hedging (off at 0): a second attempt once one runs past this percentile
+    # of the model's latency. Hang detection: an attempt silent past
+    # max(hang_min_s, hang_multiplier * p99) counts as failed and gets a second.
+    hedge_percentile: float = 0.0
+    hedge_min_delay_s: float = 0.005
+    hang_multiplier: float = 8.0
+    hang_min_s: float = 1.0
+    # Gateway-wide bounds on admitted requests (0 = none); the last
+    # priority_reserve_percent of the request bound is for priority 1.
+    max_inflight_requests: int = 8192
+    max_inflight_bytes: int = 2 * 2**30
+    priority_reserve_percent: float = 10.0
+    # The workers' model repository, read by the gateway only to split the
+    # logical models declared with `from:` (`infergate up` fills it in).
+    model_repository: str = ""
+    # Fleet (gateway/fleet.py). Membership beyond `workers`: DNS names whose
+    # every address is a worker (`[triton://]NAME:PORT`, re-resolved every
+    # dns_refresh_s) and workers that register (`infergate worker --gateway`),
+    # down after heartbeat_misses_to_down missed heartbeats.
+    worker_dns: tuple[str, ...] = ()
+    dns_refresh_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_misses_to_down: int = 3
+    # Placement and model lifecycle (gateway/placement.py, gateway/demand.py):
+    # models with `replicas` are placed at start; others, with load_on_demand,
+    # on their first request. Idle past model_idle_ttl_s (0 = never): unloaded.
+    # A worker holds models up to worker_memory_cap_bytes (0 = no cap) or
+    # worker_memory_fraction of its reported device memory; the least recently
+    # used go first. Autoscaling (off while autoscale_up_rate is 0): a replica
+    # more above autoscale_up_rate inferences/s per replica, one fewer below
+    # autoscale_down_rate (default half of it) per remaining replica.
+    placement_interval_s: float = 2.0
+    load_on_demand: bool = False
+    model_idle_ttl_s: float = 0.0
+    worker_memory_cap_bytes: int = 0
+    worker_memory_fraction: float = 0.8
+    default_model_memory_bytes: int = 0
+    autoscale_up_rate: float = 0.0
+    autoscale_down_rate: float = 0.0
+    autoscale_max_replicas: int = 0
+    autoscale_cooldown_s: float = 30.0
+    drain_timeout_s: float = 120.0
+    # Security (gateway/security.py); empty = off. Files: API keys (lines
+    # `KEY [MODELS] [rate=N/s] ...`, gateway/auth.py), admin keys, the
+    # frontends' TLS certificate and key, the shared worker token, and the
+    # CA / client certificate and key for TLS to the workers.
+    api_key_file: str = ""
+    admin_key_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    worker_token_file: str = ""
+    worker_tls_ca: str = ""
+    worker_tls_cert: str = ""
+    worker_tls_key: str = ""
+    # Secrets given in the environment (INFERGATE_API_KEYS, INFERGATE_ADMIN_KEYS,
+    # INFERGATE_WORKER_TOKEN): never from the YAML file, never in a repr.
+    api_keys_env: str = field(default="", repr=False)
+    admin_keys_env: str = field(default="", repr=False)
+    worker_token: str = field(default="", repr=False)
     # model name -> settings: batching overrides (BatchPolicy keys) and, for
     # logical models, parallel layouts (from, tensor_parallel, ...).
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -90,8 +174,22 @@ class GatewayConfig:
     def model_settings(self, name: str) -> Mapping[str, Any]:
         return self.models.get(name, {})
 
+    def batching_settings(self, name: str) -> Mapping[str, Any]:
+        """The model's settings without the keys that declare a logical model."""
+        return {k: v for k, v in self.models.get(name, {}).items() if k not in PARALLEL_KEYS and k not in PLACEMENT_KEYS}
 
-_SCALARS = {f.name: f for f in fields(GatewayConfig) if f.name not in ("workers", "models", "extra")}
+    def logical_models(self) -> dict[str, Mapping[str, Any]]:
+        """Logical models (split across workers): entries with a `from:` or `path:` key."""
+        return {name: s for name, s in self.models.items() if "from" in s or "path" in s}
+
+
+# Read only from the environment (see _secrets_from_env), never from the file or flags.
+_SECRET_KEYS = ("api_keys_env", "admin_keys_env", "worker_token")
+# File paths: relative ones in the YAML file are relative to the file.
+_SECURITY_PATH_KEYS = ("api_key_file", "admin_key_file", "tls_cert", "tls_key", "worker_token_file",
+                       "worker_tls_ca", "worker_tls_cert", "worker_tls_key")
+_SCALARS = {f.name: f for f in fields(GatewayConfig)
+            if f.name not in ("workers", "models", "extra", "worker_dns", *_SECRET_KEYS)}
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -133,10 +231,12 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     for key, value in data.items():
         if key in _SCALARS:
             values[key] = _coerce(key, value)
-        elif key not in ("workers", "models"):
+        elif key not in ("workers", "models", "worker_dns"):
             extra[key] = value
 
     workers = [WorkerSpec.from_mapping(w) for w in (data.get("workers") or [])]
+    dns_raw = data.get("worker_dns") or []
+    worker_dns = [str(n) for n in ([dns_raw] if isinstance(dns_raw, str) else dns_raw)]
     models_raw = data.get("models") or {}
     if not isinstance(models_raw, Mapping):
         raise ConfigError("config key 'models' must map model names to settings")
@@ -153,14 +253,36 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             continue
         if key == "workers":
             workers.extend(w if isinstance(w, WorkerSpec) else WorkerSpec.parse(str(w)) for w in value)
+        elif key == "worker_dns":
+            worker_dns.extend(str(n) for n in value)
         elif key in _SCALARS:
             values[key] = _coerce(key, value)
         else:
             raise ConfigError(f"unknown config key {key!r}")
 
-    config = GatewayConfig(**values, workers=tuple(_dedupe(workers)), models=models, extra=extra)
+    # Paths in the file are relative to the file.
+    base = Path(path).parent if path is not None else Path.cwd()
+    for key in ("model_repository", *_SECURITY_PATH_KEYS):
+        if values.get(key):
+            values[key] = str((base / values[key]).resolve())
+    for name, settings in models.items():
+        if settings.get("path"):
+            models[name] = {**settings, "path": str((base / str(settings["path"])).resolve())}
+    config = GatewayConfig(**values, **_secrets_from_env(), workers=tuple(_dedupe(workers)), models=models, extra=extra,
+                           worker_dns=tuple(dict.fromkeys(worker_dns)))
     _validate(config)
     return config
+
+
+def _secrets_from_env() -> dict[str, str]:
+    """Keys and the worker token given in the environment (for containers):
+    ``INFERGATE_API_KEYS`` holds key-file lines separated by newlines or ``;``,
+    ``INFERGATE_ADMIN_KEYS`` admin keys likewise, ``INFERGATE_WORKER_TOKEN`` the token."""
+    return {
+        "api_keys_env": os.environ.get("INFERGATE_API_KEYS", ""),
+        "admin_keys_env": os.environ.get("INFERGATE_ADMIN_KEYS", ""),
+        "worker_token": os.environ.get("INFERGATE_WORKER_TOKEN", "").strip(),
+    }
 
 
 def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
@@ -173,7 +295,8 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 def _validate(config: GatewayConfig) -> None:
     if config.batching_mode not in BATCHING_MODES:
         raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
-    for key in ("max_queue_size", "max_inflight_per_replica", "probe_failures_to_down", "max_request_bytes"):
+    for key in ("max_queue_size", "max_inflight_per_replica", "busy_inflight_per_replica", "probe_failures_to_down",
+                "max_request_bytes"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
     for key in ("http_port", "grpc_port"):
@@ -181,10 +304,84 @@ def _validate(config: GatewayConfig) -> None:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")
     if config.probe_interval_s <= 0 or config.default_timeout_s <= 0:
         raise ConfigError("probe_interval_s and default_timeout_s must be positive")
+    _validate_reliability(config)
+    for cert, key in (("tls_cert", "tls_key"), ("worker_tls_cert", "worker_tls_key")):
+        if bool(getattr(config, cert)) != bool(getattr(config, key)):
+            raise ConfigError(f"{cert} and {key} go together: give both or neither")
     for name, settings in config.models.items():
         mode = settings.get("mode")
         if mode is not None and mode not in BATCHING_MODES:
             raise ConfigError(f"models.{name}.mode must be one of {BATCHING_MODES}, got {mode!r}")
+        _validate_logical(name, settings)
+        _validate_placement(name, settings)
+    _validate_fleet(config)
+
+
+def _validate_reliability(config: GatewayConfig) -> None:
+    """Build the reliability settings once, so a bad key fails at load time and names itself."""
+    from .hedging import HedgeSettings
+    from .limits import AdmissionSettings
+    from .outlier import OutlierSettings
+    from .retry_budget import RetrySettings
+
+    for settings in (OutlierSettings, RetrySettings, HedgeSettings, AdmissionSettings):
+        try:
+            settings.from_config(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _validate_fleet(config: GatewayConfig) -> None:
+    for key in ("dns_refresh_s", "heartbeat_interval_s", "placement_interval_s", "drain_timeout_s"):
+        if getattr(config, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
+    for key in ("model_idle_ttl_s", "worker_memory_cap_bytes", "default_model_memory_bytes", "autoscale_up_rate",
+                "autoscale_down_rate", "autoscale_max_replicas", "autoscale_cooldown_s"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key} must not be negative, got {getattr(config, key)}")
+    if config.heartbeat_misses_to_down < 1:
+        raise ConfigError("heartbeat_misses_to_down must be at least 1")
+    if not 0 < config.worker_memory_fraction <= 1:
+        raise ConfigError(f"worker_memory_fraction must be in (0, 1], got {config.worker_memory_fraction}")
+    if config.autoscale_up_rate and config.autoscale_down_rate >= config.autoscale_up_rate:
+        raise ConfigError("autoscale_down_rate must be below autoscale_up_rate (the gap is the hysteresis)")
+    for entry in config.worker_dns:
+        text = entry.split("://", 1)[1] if entry.startswith(("triton://", "grpc://", "infergate://")) else entry
+        _check_address(text)
+
+
+def _validate_placement(name: str, settings: Mapping[str, Any]) -> None:
+    if settings.get("from") or settings.get("path"):
+        return  # a logical model: its replicas are its registry's (see _validate_logical)
+    for key, low in (("replicas", 1), ("max_replicas", 1), ("memory_bytes", 0)):
+        value = settings.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"models.{name}.{key} must be an integer >= {low}, got {value!r}")
+    if settings.get("max_replicas", settings.get("replicas", 1)) < settings.get("replicas", 1):
+        raise ConfigError(f"models.{name}.max_replicas must be at least its replicas")
+    ttl = settings.get("idle_ttl_s", 0)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0:
+        raise ConfigError(f"models.{name}.idle_ttl_s must be a non-negative number of seconds, got {ttl!r}")
+
+
+def _validate_logical(name: str, settings: Mapping[str, Any]) -> None:
+    # `replicas` alone declares a placed model, not a logical one.
+    declared = [k for k in PARALLEL_KEYS if k in settings and k not in PLACEMENT_KEYS]
+    if not declared:
+        return
+    sources = [k for k in ("from", "path") if settings.get(k)]
+    if len(sources) != 1:
+        raise ConfigError(f"models.{name}: a logical model needs exactly one of 'from' (a repository model) "
+                          f"or 'path' (an .onnx file); it sets {declared}")
+    if settings.get("from") == name:
+        raise ConfigError(f"models.{name}: a logical model needs a name of its own, not its source's")
+    for key in ("tensor_parallel", "pipeline_parallel", "replicas"):
+        value = settings.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"models.{name}.{key} must be a positive integer, got {value!r}")
+    inflight = settings.get("max_inflight", 0)
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
+        raise ConfigError(f"models.{name}.max_inflight must be a non-negative integer, got {inflight!r}")
 
 
 def with_workers(config: GatewayConfig, workers: list[WorkerSpec]) -> GatewayConfig:

@@ -22,11 +22,12 @@ from .batcher import Batcher, BatchPolicy
 from .cluster import Cluster
 from .config import GatewayConfig
 from .executor import build_batch_request, split_batch_response
+from .fleet import Fleet
 from .hedging import HedgeSettings
-from .limits import Admission, AdmissionSettings, within_deadline
+from .limits import Admission, AdmissionSettings
 from .metrics import LatencyHistograms
-from .parallel.serving import ParallelModels
 from .outlier import OutlierDetector, OutlierSettings
+from .parallel.serving import ParallelModels
 from .retry_budget import RetryBudget, RetrySettings
 from .router import Router
 from .security import worker_client_factory
@@ -73,6 +74,7 @@ class Gateway:
         self.router = router or Router(
             self.cluster,
             max_inflight_per_replica=config.max_inflight_per_replica,
+            busy_inflight_per_replica=config.busy_inflight_per_replica,
             retry_limit=config.retry_limit,
             retry_backoff_s=retry.backoff_base_s,
             retry_backoff_max_s=retry.backoff_max_s,
@@ -85,6 +87,10 @@ class Gateway:
         # Logical models split across workers (config `models.<name>.from/path`):
         # their batches run through the registry's plans instead of one routed call.
         self.parallel = ParallelModels(config, self.cluster, self.router)
+        # Membership beyond the static list (DNS, registration), placement and
+        # model lifecycle, draining. `placement` is read by the metrics (moves).
+        self.fleet = Fleet(config, self.cluster)
+        self.placement = self.fleet.placement
         self.stats = GatewayStats()
         # End-to-end latency distribution per model, for /metrics and the dashboard.
         self.latency = LatencyHistograms()
@@ -98,8 +104,10 @@ class Gateway:
         self._loop = asyncio.get_running_loop()
         await self.cluster.start()
         try:
+            await self.fleet.start()
             await self.parallel.start()
         except BaseException:
+            await self.fleet.stop()
             await self.cluster.stop()
             raise
         self._accepting = True
@@ -112,6 +120,7 @@ class Gateway:
         self._batchers.clear()
         if batchers:
             await asyncio.gather(*(b.close(grace) for b in batchers), return_exceptions=True)
+        await self.fleet.stop()
         await self.parallel.stop()
         await self.cluster.stop()
 
@@ -122,18 +131,30 @@ class Gateway:
     # ---- model resolution ------------------------------------------------
 
     def _model(self, name: str, version: str = "") -> tuple[Any, str]:
-        info = self.parallel.model(name) or self.cluster.models().get(name)
+        info = self.parallel.model(name) or self.cluster.model(name)
         if info is None:
             if name in self.cluster.known_models():
                 # Known but every replica is down (e.g. a worker restarting): retryable.
                 raise Unavailable(f"model '{name}' has no healthy replica right now")
             raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
-        versions = sorted(info.versions, key=_version_key)
+        versions = info.versions
         if version:
             if version not in versions:
                 raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not found")
             return info, version
-        return info, (versions[-1] if versions else "")
+        # Per request: the newest version without sorting them all.
+        return info, (max(versions, key=_version_key) if versions else "")
+
+    async def _resolve(self, name: str, version: str, timeout_us: int) -> tuple[Any, str]:
+        """``_model``, placing the model first when it has no replica and may be
+        placed on request (declared with replicas, or ``load_on_demand``)."""
+        try:
+            return self._model(name, version)
+        except (ModelNotFound, Unavailable):
+            if not self.fleet.placement.can_load(name):
+                raise
+        await self.fleet.placement.ensure(name, timeout_us / 1e6 if timeout_us else self.config.default_timeout_s)
+        return self._model(name, version)
 
     async def _batcher(self, name: str, version: str, config: model_config_pb2.ModelConfig) -> Batcher:
         key = (name, version)
@@ -175,7 +196,7 @@ class Gateway:
         request.arrival = started
         if not self._accepting:
             raise Unavailable("the gateway is shutting down")
-        info, version = self._model(request.model, request.version)
+        info, version = await self._resolve(request.model, request.version, request.timeout_us)
         try:
             rows = validate_request(request, info.metadata, info.config)
         except InferGateError as e:
@@ -186,10 +207,12 @@ class Gateway:
         deadline = now + timeout_s
         request.deadline = deadline if request.deadline is None else min(deadline, request.deadline)
         request.rows = rows
+        self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
         batcher = await self._batcher(request.model, version, info.config)
         try:
-            # However long its batch runs for others, a request is answered by its deadline.
-            response = await within_deadline(batcher.submit(request), request.deadline, request.id)
+            # However long its batch runs for others, a request is answered by its deadline:
+            # the batcher keeps each request's deadline on its one timer heap, queued or running.
+            response = await batcher.submit(request)
         except InferGateError as e:
             self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
             raise
@@ -226,6 +249,8 @@ class Gateway:
         return True
 
     def server_ready(self) -> bool:
+        if self.config.load_on_demand:  # models appear on request: ready while any worker is
+            return self._accepting and any(w.is_up for w in self.cluster.workers())
         return self._accepting and any(True for _ in self.cluster.models())
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
@@ -275,12 +300,14 @@ class Gateway:
         if self.parallel.serves(name):
             await self.parallel.load(name)  # re-split the source and push what changed
             return
+        self.fleet.placement.note_load(name)
         await repository.load(self.cluster, name, parameters)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         if self.parallel.serves(name):
             await self.parallel.unload(name)
         else:
+            self.fleet.placement.note_unload(name)
             await repository.unload(self.cluster, name, unload_dependents)
         for key in [k for k in self._batchers if k[0] == name]:
             batcher = self._batchers.pop(key)

@@ -139,10 +139,12 @@ def _non_negative_int(key: str, value: Any) -> int:
     return value
 
 
-def _tensor_parameters(params: Any, what: str) -> dict[str, Any]:
+def _tensor_parameters(params: Any, kind: str, name: str) -> dict[str, Any]:
+    if not params:  # the usual case, and the cheap test on a protobuf map
+        return {}
     out = {key: _param_value(p) for key, p in params.items()}
     if any(key in out for key in _SHM_PARAMETERS):
-        raise Unsupported(f"{what}: {_SHM_MESSAGE}")
+        raise Unsupported(f"{kind} '{name}': {_SHM_MESSAGE}")
     return out
 
 
@@ -165,31 +167,30 @@ def decode_infer_request(
             f"raw_input_contents has {len(raw)} entries for {len(pb.inputs)} inputs; when "
             "raw_input_contents is used it must hold every input, in the order of 'inputs'"
         )
+    # Per request: protobuf field reads are the cost here, so each is read once.
     inputs: list[Tensor] = []
     for index, tensor in enumerate(pb.inputs):
-        shape = tuple(int(d) for d in tensor.shape)
-        params = _tensor_parameters(tensor.parameters, f"input '{tensor.name}'")
+        name = tensor.name
+        shape = tuple(tensor.shape)  # int64 fields: already Python ints
+        params = _tensor_parameters(tensor.parameters, "input", name)
         if raw:
-            if tensor.contents.ListFields():
-                raise InvalidArgument(
-                    f"input '{tensor.name}': contents must be empty when raw_input_contents is used"
-                )
+            if tensor.HasField("contents") and tensor.contents.ListFields():
+                raise InvalidArgument(f"input '{name}': contents must be empty when raw_input_contents is used")
             data: bytes = raw[index]
         else:
-            data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=tensor.name)
-        inputs.append(Tensor(tensor.name, tensor.datatype, shape, data, params))
+            data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
+        inputs.append(Tensor(name, tensor.datatype, shape, data, params))
 
-    outputs = [
-        RequestedOutput(o.name, parameters=_tensor_parameters(o.parameters, f"output '{o.name}'"))
-        for o in pb.outputs
-    ]
-    for o in outputs:
-        o.parameters.pop("binary_data", None)  # HTTP-only
+    outputs: list[RequestedOutput] = []
+    for o in pb.outputs:
+        out_params = _tensor_parameters(o.parameters, "output", o.name)
+        out_params.pop("binary_data", None)  # HTTP-only
+        outputs.append(RequestedOutput(o.name, parameters=out_params))
 
     parameters: dict[str, Any] = {}
     priority = 0
     timeout_us = 0
-    for key, param in pb.parameters.items():
+    for key, param in (pb.parameters.items() if pb.parameters else ()):
         value = _param_value(param)
         if key == _PRIORITY:
             priority = _non_negative_int(key, value)
@@ -222,13 +223,15 @@ def encode_infer_response(resp: InferResponse, request: InferRequest) -> service
     pb = service_pb2.ModelInferResponse(
         model_name=resp.model or request.model, model_version=resp.version, id=request.id
     )
-    for key, value in resp.parameters.items():
-        if not key.startswith("_"):  # underscore keys are the gateway's own bookkeeping
-            _set_param(pb.parameters[key], value)
+    if resp.parameters:
+        for key, value in resp.parameters.items():
+            if not key.startswith("_"):  # underscore keys are the gateway's own bookkeeping
+                _set_param(pb.parameters[key], value)
     for tensor in resp.outputs:
         out = pb.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-        for key, value in tensor.parameters.items():
-            _set_param(out.parameters[key], value)
+        if tensor.parameters:
+            for key, value in tensor.parameters.items():
+                _set_param(out.parameters[key], value)
         data = tensor.data
         pb.raw_output_contents.append(data if isinstance(data, bytes) else bytes(data))
     return pb

@@ -58,6 +58,10 @@ INFER_HEADER = "Inference-Header-Content-Length"
 _INFLATE_IN_THREAD_BYTES = 1 << 20
 # Responses above this are written part by part rather than joined into one buffer.
 _STREAM_RESPONSE_BYTES = 1 << 20
+# Responses below this go uncompressed whatever the client accepts: aiohttp's client
+# asks for gzip on every request, and deflating a few hundred bytes costs more
+# (a compressor per response) than it saves on the wire.
+_COMPRESS_MIN_BYTES = 512
 # The id of the inference being served, for error logs. aiohttp serves each
 # request in its own task, so the middleware reads what the handler set.
 _request_id: ContextVar[str] = ContextVar("infergate_http_request_id", default="")
@@ -425,8 +429,11 @@ async def _send_infer(request: web.Request, encoded: EncodedInfer) -> web.Stream
     if encoded.header_length is not None:
         headers[INFER_HEADER] = str(encoded.header_length)
         content_type = "application/octet-stream"
-    coding = choose_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""))
-    if coding != "identity" or encoded.size <= _STREAM_RESPONSE_BYTES:
+    size = encoded.size
+    coding = "identity"
+    if size >= _COMPRESS_MIN_BYTES:
+        coding = choose_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""))
+    if coding != "identity" or size <= _STREAM_RESPONSE_BYTES:
         body = b"".join((encoded.header, *encoded.parts)) if encoded.parts else encoded.header
         response = web.Response(body=body, headers=headers, content_type=content_type)
         if coding != "identity":
@@ -436,7 +443,7 @@ async def _send_infer(request: web.Request, encoded: EncodedInfer) -> web.Stream
     # are instead of copying them into one body.
     stream = web.StreamResponse(headers=headers)
     stream.content_type = content_type
-    stream.content_length = encoded.size
+    stream.content_length = size
     await stream.prepare(request)
     await stream.write(encoded.header)
     for part in encoded.parts:

@@ -4,7 +4,9 @@ Starts N worker processes on the model repository (each on a free port), a
 gateway in this process in front of them, prints the endpoints, and keeps the
 workers running: a worker that dies is restarted on its port, so the gateway's
 probes bring it back into rotation. Ctrl-C/SIGTERM stops the gateway first
-(draining requests), then the workers.
+(draining requests), then the workers. With ``--register`` the gateway starts
+first and the workers join it by registering (``infergate worker --gateway``),
+as a fleet does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .app import install_event_loop_policy, setup_logging, start_gateway, wait_for_signal, write_ready_file
+from .cluster import Cluster
 from .config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from .security import add_security_arguments, local_worker_token, security_overrides
 
@@ -42,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None)
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to every worker (repeatable), e.g. --worker-arg=--backend=sim")
+    parser.add_argument("--register", action="store_true",
+                        help="the workers register with the gateway (worker --gateway) instead of being listed; "
+                             "add --worker-arg=--model-control-mode=explicit to let placement decide what each loads")
     parser.add_argument("--ready-file", default=None, help="write the endpoints as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--no-worker-token", action="store_true",
@@ -146,6 +152,16 @@ class LocalWorker:
             await proc.wait()
 
 
+async def _registered(cluster: Cluster, addresses: list[str]) -> None:
+    """Wait until every worker has registered and is up (polled, bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WORKER_START_TIMEOUT_S
+    while not all((w := cluster.worker(a)) is not None and w.is_up for a in addresses):
+        if loop.time() > deadline:
+            raise RuntimeError(f"workers did not register within {WORKER_START_TIMEOUT_S:.0f}s")
+        await asyncio.sleep(0.05)
+
+
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
     worker_args = list(args.worker_arg)
@@ -159,10 +175,20 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     supervisors: set[asyncio.Task[None]] = set()
     running = None
     try:
-        await asyncio.gather(*(w.start() for w in workers))
-        config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
-        metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
-        running = await start_gateway(config, worker_metrics_urls=metrics_urls)
+        if args.register:
+            # The gateway first: the workers need its gRPC port to register (their metrics ports come with it).
+            running = await start_gateway(config)
+            host = "127.0.0.1" if config.host in ("", "0.0.0.0", "::") else config.host
+            target = f"[{host}]:{running.grpc_port}" if ":" in host else f"{host}:{running.grpc_port}"
+            for w in workers:
+                w.extra_args = [*w.extra_args, "--gateway", target]
+            await asyncio.gather(*(w.start() for w in workers))
+            await _registered(running.gateway.cluster, [w.address for w in workers])
+        else:
+            await asyncio.gather(*(w.start() for w in workers))
+            config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
+            metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
+            running = await start_gateway(config, worker_metrics_urls=metrics_urls)
         for w in workers:
             task = asyncio.create_task(w.supervise(), name=f"supervise-worker-{w.index}")
             supervisors.add(task)

@@ -79,6 +79,8 @@ class WorkerClient:
         self.kind = kind
         # gRPC metadata keys must be lower case.
         self._metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in (headers or {}).items())
+        # Built once: from a tuple, grpc.aio would build one on every call (it only reads it).
+        self._call_metadata = grpc.aio.Metadata(*self._metadata)
         self._credentials = credentials
         self._options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -122,7 +124,7 @@ class WorkerClient:
         self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None
     ) -> _Resp:
         try:
-            return await method(request, timeout=timeout_s, metadata=self._metadata)
+            return await method(request, timeout=timeout_s, metadata=self._call_metadata)
         except grpc.aio.AioRpcError as e:
             raise self._map_error(e) from None
         except grpc.aio.UsageError as e:

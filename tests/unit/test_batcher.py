@@ -97,8 +97,11 @@ class FakeBackend:
             if fut in self._waiters:
                 self._waiters.remove(fut)
 
+    def _can_take(self) -> bool:
+        return self.has_capacity()
+
     async def dispatch(self, requests: list[InferRequest]) -> list[InferResponse]:
-        if not self.has_capacity():
+        if not self._can_take():
             self.over_capacity += 1
         self.busy += 1  # taken before the first suspension, as the router does
         call = Call(list(requests), asyncio.get_running_loop().create_future())
@@ -124,6 +127,19 @@ class FakeBackend:
         return [c.ids for c in self.calls]
 
 
+@dataclass
+class ReplicaBackend(FakeBackend):
+    """A backend that, like the router, is idle below `slots` batches and has `room` more while busy."""
+
+    room: int = 1
+
+    def has_room(self) -> bool:
+        return self.busy < self.slots + self.room
+
+    def _can_take(self) -> bool:
+        return self.has_room()
+
+
 def _echo(req: InferRequest) -> InferResponse:
     return InferResponse(model=req.model, version=req.version, id=req.id, outputs=[])
 
@@ -147,9 +163,9 @@ def make_req(
 
 
 class Rig:
-    def __init__(self, slots: int, policy: BatchPolicy) -> None:
+    def __init__(self, slots: int, policy: BatchPolicy, room: int | None = None) -> None:
         self.clock = FakeClock()
-        self.backend = FakeBackend(slots)
+        self.backend = FakeBackend(slots) if room is None else ReplicaBackend(slots, room=room)
         self.batcher = Batcher("m", policy, self.backend.dispatch, self.backend, clock=self.clock)
         self.tasks: dict[str, asyncio.Task[InferResponse]] = {}
 
@@ -180,9 +196,9 @@ class Rig:
 async def rig():
     rigs: list[Rig] = []
 
-    async def make(slots: int = 1, **policy: Any) -> Rig:
+    async def make(slots: int = 1, room: int | None = None, **policy: Any) -> Rig:
         policy.setdefault("max_batch_size", 8)
-        r = Rig(slots, BatchPolicy(**policy))
+        r = Rig(slots, BatchPolicy(**policy), room)
         await r.batcher.start()
         rigs.append(r)
         return r
@@ -247,6 +263,58 @@ async def test_adaptive_uses_every_free_replica(rig) -> None:
     r.backend.complete(1)
     await settle()
     assert r.batches()[-1] == ["d"]
+
+
+async def test_adaptive_keeps_a_busy_replicas_room_for_a_full_batch(rig) -> None:
+    # One replica, idle below 1 batch in flight, room for 2 (the router's defaults).
+    r = await rig(room=1)
+    await r.submit_all("a")
+    await r.submit_all("b", "c", "d")
+    assert r.batches() == [["a"]]  # busy: the batch grows instead of going out small
+    r.backend.complete(0)
+    await settle()
+    assert r.batches() == [["a"], ["b", "c", "d"]]
+    assert r.batcher.stats.pipelined == 0
+
+
+async def test_adaptive_pipelines_full_batches_into_a_busy_replicas_room(rig) -> None:
+    r = await rig(room=1, max_batch_size=4)
+    await r.submit_all("a")
+    await r.submit_all("b", "c", "d")
+    assert r.batches() == [["a"]]
+    await r.submit_all("e")  # four rows queued: a full batch goes beside the running one
+    assert r.batches() == [["a"], ["b", "c", "d", "e"]]
+    await r.submit_all("f", "g", "h", "i")  # full again, but no room is left
+    assert len(r.batches()) == 2
+    r.backend.complete(0)  # still busy, with room again
+    await settle()
+    assert r.batches()[-1] == ["f", "g", "h", "i"]
+    assert r.batcher.stats.pipelined == 2
+    await r.submit_all("j")
+    assert len(r.batches()) == 3
+    r.backend.complete(1)
+    r.backend.complete(2)
+    await settle()
+    assert r.batches()[-1] == ["j"]  # idle again: a partial batch goes at once
+
+
+async def test_adaptive_room_holds_mixed_requests_until_one_kind_fills_a_batch(rig) -> None:
+    r = await rig(room=1, max_batch_size=2)
+    await r.submit_all("a")
+    r.submit("x1", tail=(4,))
+    r.submit("y1", tail=(5,))
+    await settle()
+    assert r.batches() == [["a"]]  # two rows queued, but no full batch of one kind
+    await r.submit_all("x2", tail=(4,))
+    assert r.batches() == [["a"], ["x1", "x2"]]
+
+
+async def test_requests_of_one_loop_turn_share_a_batch(rig) -> None:
+    r = await rig()
+    for rid in "abc":
+        r.submit(rid)  # no yield in between: all three arrive in the same loop turn
+    await settle()
+    assert r.batches() == [["a", "b", "c"]]
 
 
 # ---- fixed (Triton) ----
@@ -429,6 +497,32 @@ async def test_deadline_passing_in_the_queue_drops_the_request(rig) -> None:
     r.backend.complete(0)
     await settle()
     assert r.batches() == [["busy"], ["b"]]
+
+
+async def test_deadline_passing_while_the_batch_runs_answers_at_the_deadline(rig) -> None:
+    r = await rig()
+    r.submit("a", deadline=0.5)
+    r.submit("b", deadline=5.0)
+    await settle()
+    assert r.batches() == [["a", "b"]]
+    await r.clock.advance(0.5)
+    assert isinstance(r.error_of("a"), DeadlineExceeded)  # answered now; the batch runs on
+    assert "b" not in r.done()
+    r.backend.complete(0)
+    assert (await r.tasks["b"]).id == "b"
+    assert r.batcher.stats.expired_running == 1
+
+
+async def test_running_deadline_is_kept_even_with_preserve_ordering(rig) -> None:
+    r = await rig(preserve_ordering=True)
+    r.submit("first")
+    r.submit("late", deadline=0.5)
+    await settle()
+    await r.clock.advance(0.5)
+    assert isinstance(r.error_of("late"), DeadlineExceeded)
+    assert "first" not in r.done()
+    r.backend.complete(0)
+    assert (await r.tasks["first"]).id == "first"
 
 
 async def test_deadline_already_passed_is_rejected_at_once(rig) -> None:

@@ -122,6 +122,67 @@ async def test_inflight_bound_and_capacity() -> None:
         await cluster.stop()
 
 
+async def test_idle_means_below_the_busy_bound_and_room_below_the_inflight_bound() -> None:
+    cluster, fleet = await started("a:1", "b:1")
+    router = Router(cluster, max_inflight_per_replica=2, busy_inflight_per_replica=1)
+    capacity = router.capacity("m")
+    a, b = cluster.workers()
+    try:
+        assert capacity.has_capacity() and capacity.has_room()
+        a.inflight = 1  # b is still idle
+        assert capacity.has_capacity() and capacity.has_room()
+        b.inflight = 1  # both busy, both with room for one more
+        assert not capacity.has_capacity() and capacity.has_room()
+        a.inflight = b.inflight = 2
+        assert not capacity.has_capacity() and not capacity.has_room()
+        b.inflight = 0
+        assert capacity.has_capacity() and capacity.has_room()
+    finally:
+        await cluster.stop()
+
+
+async def test_busy_bound_is_capped_by_the_inflight_bound() -> None:
+    cluster, _ = await started("a:1")
+    router = Router(cluster, max_inflight_per_replica=2, busy_inflight_per_replica=5)
+    try:
+        assert router.busy_inflight_per_replica == 2
+        cluster.workers()[0].inflight = 1
+        assert router.capacity("m").has_capacity()  # busy only at 2: the old "free slot" meaning
+        cluster.workers()[0].inflight = 2
+        assert not router.capacity("m").has_capacity()
+    finally:
+        await cluster.stop()
+    with pytest.raises(ValueError):
+        Router(cluster, busy_inflight_per_replica=0)
+
+
+async def test_a_call_not_yet_on_a_replica_counts_against_capacity() -> None:
+    # A call waiting for a slot takes the next one that frees: the batcher must not
+    # see that slot as free and send another batch after it.
+    cluster, _ = await started("a:1")
+    router = Router(cluster, max_inflight_per_replica=1)
+    capacity = router.capacity("m")
+    worker = cluster.workers()[0]
+    try:
+        worker.inflight = 1  # a batch of another caller holds the only slot
+        waiting = asyncio.create_task(router.infer("m", "", request(), None))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not waiting.done() and capacity.starting == 1
+        worker.inflight = 0  # that batch ended; the waiting call has not been woken yet
+        assert not capacity.has_capacity() and not capacity.has_room()
+        router._slot_freed(worker)
+        assert (await asyncio.wait_for(waiting, 10)).id == "a:1"
+        assert capacity.starting == 0 and capacity.has_capacity()
+        # A call that ends before any attempt ran (no replica at all) gives its count back too.
+        cluster.mark_down(worker, "test")
+        with pytest.raises(Unavailable):
+            await router.infer("m", "", request(), None)
+        assert capacity.starting == 0
+    finally:
+        await cluster.stop()
+
+
 async def test_retry_unavailable_on_another_replica() -> None:
     cluster, fleet = await started("a:1", "b:1")
     router = Router(cluster, retry_backoff_s=0.0)
