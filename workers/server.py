@@ -238,6 +238,9 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("infergate worker stopped")
 
 
+SETTLE_S = 0.5
+
+
 async def _shutdown(
     server: grpc.aio.Server, service: InferenceService, health_service: health.aio.HealthServicer, grace_s: float
 ) -> None:
@@ -246,9 +249,19 @@ async def _shutdown(
     # stop(grace) closes the listener at once and would wait the whole grace
     # for long-lived calls (health watchers, idle streams); so wait for our
     # own requests in progress, then cancel the rest.
-    stopping = asyncio.get_running_loop().create_task(server.stop(grace_s))
+    loop = asyncio.get_running_loop()
+    stopping = loop.create_task(server.stop(grace_s))
+    deadline = loop.time() + grace_s
     try:
-        await asyncio.wait_for(service.wait_idle(), grace_s)
+        while True:
+            await asyncio.wait_for(service.wait_idle(), max(0.0, deadline - loop.time()))
+            # A call gRPC accepted before the listener closed may still be
+            # arriving (a large request is read before our handler runs): stop
+            # only after a settle window in which no new request began.
+            seen = service.requests_started
+            await asyncio.wait({stopping}, timeout=min(SETTLE_S, max(0.0, deadline - loop.time())))
+            if stopping.done() or (service.requests_started == seen and service.idle):
+                break
     except asyncio.TimeoutError:
         logger.warning("requests still running after the %.1fs grace period: cancelling them", grace_s)
     await server.stop(None)

@@ -76,6 +76,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._version = _package_version()
         self._shutting_down = False
         self._active = 0
+        self._started = 0  # requests ever begun: shutdown watches it for late arrivals
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -83,6 +84,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _enter(self) -> None:
         self._active += 1
+        self._started += 1
         self._idle.clear()
 
     def _exit(self) -> None:
@@ -93,6 +95,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def begin_shutdown(self) -> None:
         """ServerReady turns false; requests still arriving are served until the listener closes."""
         self._shutting_down = True
+
+    @property
+    def requests_started(self) -> int:
+        return self._started
+
+    @property
+    def idle(self) -> bool:
+        return self._active == 0
 
     async def wait_idle(self) -> None:
         """Return once no request (unary call, or request read from a stream) is in progress."""

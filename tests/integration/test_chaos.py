@@ -212,7 +212,9 @@ async def test_sigterm_drains_in_flight_requests(cluster: Cluster) -> None:
     assert await asyncio.to_thread(gateway.popen.wait, 15) == 0
     # Every request in flight when the signal came finished, successfully; a new one was refused.
     assert answers == [f"drain-{i}" for i in range(4)]
-    assert later == "UNAVAILABLE"
+    # Refused, never served: rejected by the core (UNAVAILABLE), or held by gRPC
+    # while the listener closed and cancelled at the end (CANCELLED).
+    assert later in ("UNAVAILABLE", "CANCELLED")
 
 
 async def _infer_simple(stub: service_pb2_grpc.GRPCInferenceServiceStub, request_id: str) -> str:
