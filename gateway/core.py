@@ -15,7 +15,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from protos.errors import InferGateError, Internal, ModelNotFound, Unavailable
+from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFound, Unavailable
 
 from . import __version__, repository
 from .batcher import Batcher, BatchPolicy
@@ -236,12 +236,29 @@ class Gateway:
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
         sender = self.parallel if self.parallel.serves(name) else self.router
-        response = await sender.infer(name, version, pb, deadline)
+        try:
+            response = await sender.infer(name, version, pb, deadline)
+        except (InvalidArgument, Internal):
+            if len(batch) == 1:
+                raise
+            # The worker refused the batch for something in its rows (e.g. a
+            # token id out of range): run each request alone so one client's
+            # bad row does not fail its batch-mates.
+            return await self._run_alone(name, version, batch, batched)
         self.stats.record_execution(name, version, sum(rows), _ns(time.monotonic() - start), len(batch))
         responses = split_batch_response(response, batch, rows, batched)
         if len(responses) != len(batch):
             raise Internal(f"batch of {len(batch)} requests produced {len(responses)} responses")
         return responses
+
+    async def _run_alone(
+        self, name: str, version: str, batch: list[InferRequest], batched: bool
+    ) -> list[InferResponse | BaseException]:
+        """Each request of a refused batch on its own; the batcher answers each with its outcome."""
+        outcomes = await asyncio.gather(
+            *(self._run_batch(name, version, [r], batched) for r in batch), return_exceptions=True
+        )
+        return [o if isinstance(o, BaseException) else o[0] for o in outcomes]
 
     # ---- health and metadata ----------------------------------------------
 

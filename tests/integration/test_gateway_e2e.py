@@ -367,6 +367,28 @@ async def test_concurrent_requests_are_batched_and_spread(cluster: Proc, referen
     assert sum(rows_per_worker) == 2 * n
 
 
+async def test_a_row_the_worker_refuses_fails_only_its_own_request(cluster: Proc, references: dict) -> None:
+    """encoder token ids past its vocabulary pass validation but fail in the model:
+    sent together with good requests (HTTP requests of one turn share a batch),
+    only the bad request fails; its batch-mates are answered correctly."""
+    rng = np.random.default_rng(11)
+    good = [rng.integers(0, 1000, size=(1, 8), dtype=np.int64) for _ in range(7)]
+    bad = np.full((1, 8), 5000, dtype=np.int64)
+    client = httpclient_aio.InferenceServerClient(http_url(cluster))
+    try:
+        async def one(tokens: np.ndarray) -> np.ndarray:
+            result = await client.infer("encoder", _http_inputs({"TOKENS": tokens}, binary=True))
+            return result.as_numpy("HIDDEN")
+
+        outcomes = await asyncio.gather(*(one(t) for t in good[:3] + [bad] + good[3:]), return_exceptions=True)
+    finally:
+        await client.close()
+    assert isinstance(outcomes[3], InferenceServerException), outcomes[3]
+    for tokens, got in zip(good, outcomes[:3] + outcomes[4:]):
+        assert not isinstance(got, BaseException), got
+        np.testing.assert_allclose(got, references["encoder"]({"TOKENS": tokens})["HIDDEN"], rtol=1e-5, atol=1e-5)
+
+
 # ---- bad requests at the edge -----------------------------------------------
 
 
