@@ -37,6 +37,7 @@ from typing import Any
 from .suite_context import SuiteContext, SuiteSettings, describe_machine
 from .suite_report import SectionResult, format_markdown, write_results
 from .suite_scale import run_scale, run_sim_check
+from .suite_parallel import run_parallel
 from .suite_sections import run_batching, run_overhead
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "overhead": run_overhead,
     "batching": run_batching,
     "scale": run_scale,
+    "parallel": run_parallel,
 }
 
 
