@@ -31,6 +31,14 @@ def with_values(command: list[str], values: dict[str, str]) -> list[str]:
     return args
 
 
+# The addresses the images' HEALTHCHECK commands dial inside their containers.
+# Nothing here connects to them: run_healthcheck rewrites each to the
+# ephemeral address of the process the test started.
+def image_address(dockerfile: str, port_flag: str) -> str:
+    command = image_command(dockerfile)
+    return f"127.0.0.1:{command[command.index(port_flag) + 1]}"
+
+
 def run_healthcheck(command: list[str], old: str, new: str) -> int:
     assert command[0] == "python"
     script = command[-1]
@@ -53,14 +61,14 @@ def test_image_commands_serve_and_pass_their_health_checks(model_repo: Path) -> 
     gateway = None
     try:
         worker_check = image_healthcheck("worker.Dockerfile")
-        assert run_healthcheck(worker_check, "127.0.0.1:8001", worker_url(worker)) == 0
+        assert run_healthcheck(worker_check, image_address("worker.Dockerfile", "--port"), worker_url(worker)) == 0
 
         gateway_cmd = with_values(image_command("gateway.Dockerfile"), {
             "--host": "127.0.0.1", "--http-port": "0", "--grpc-port": "0", "--config": str(BASE / "gateway.yaml")})
         gateway = start([*gateway_cmd, "--worker", worker_url(worker)])
         http = f"127.0.0.1:{gateway.ready['http_port']}"
         gateway_check = image_healthcheck("gateway.Dockerfile")
-        assert run_healthcheck(gateway_check, "127.0.0.1:8000", http) == 0
+        assert run_healthcheck(gateway_check, image_address("gateway.Dockerfile", "--http-port"), http) == 0
         for path in probe_paths():
             with urllib.request.urlopen(f"http://{http}{path}", timeout=10) as response:
                 assert response.status == 200, path
@@ -72,6 +80,6 @@ def test_image_commands_serve_and_pass_their_health_checks(model_repo: Path) -> 
         if gateway is not None:
             gateway.stop()
         worker.stop()
-    assert run_healthcheck(worker_check, "127.0.0.1:8001", worker_url(worker)) != 0
+    assert run_healthcheck(worker_check, image_address("worker.Dockerfile", "--port"), worker_url(worker)) != 0
     if gateway is not None:
-        assert run_healthcheck(gateway_check, "127.0.0.1:8000", http) != 0
+        assert run_healthcheck(gateway_check, image_address("gateway.Dockerfile", "--http-port"), http) != 0
