@@ -1,0 +1,154 @@
+"""The gRPC wire form of inference requests and responses: KServe v2
+``ModelInferRequest`` -> :class:`InferRequest` (raw or typed contents, request
+parameters, requested outputs) and :class:`InferResponse` ->
+``ModelInferResponse`` (outputs always in ``raw_output_contents``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tritonclient.grpc import service_pb2
+
+from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from protos import codec
+from protos.errors import InvalidArgument, Unsupported
+
+# Request parameters the frontend consumes itself rather than passing on.
+_PRIORITY = "priority"
+_TIMEOUT = "timeout"
+_IGNORED_PARAMETERS = frozenset({"binary_data_output"})  # HTTP-only; gRPC outputs are always raw
+_RESERVED_PREFIX = "triton_"
+EMPTY_FINAL = "triton_enable_empty_final_response"  # streaming only, as in Triton
+FINAL_RESPONSE = "triton_final_response"
+_SHM_PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+SHM_MESSAGE = (
+    "shared memory is not supported by this server; send tensors in the request "
+    "(raw_input_contents) instead"
+)
+
+
+# ---- parameters ---------------------------------------------------------------
+
+
+def param_value(param: service_pb2.InferParameter) -> Any:
+    which = param.WhichOneof("parameter_choice")
+    return None if which is None else getattr(param, which)
+
+
+def _set_param(param: service_pb2.InferParameter, value: Any) -> None:
+    if isinstance(value, bool):  # before int: bool is an int
+        param.bool_param = value
+    elif isinstance(value, int):
+        if value >= 2**63:
+            param.uint64_param = value
+        else:
+            param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        param.string_param = str(value)
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"request parameter '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _tensor_parameters(params: Any, kind: str, name: str) -> dict[str, Any]:
+    if not params:  # the usual case, and the cheap test on a protobuf map
+        return {}
+    out = {key: param_value(p) for key, p in params.items()}
+    if any(key in out for key in _SHM_PARAMETERS):
+        raise Unsupported(f"{kind} '{name}': {SHM_MESSAGE}")
+    return out
+
+
+# ---- decode / encode ----------------------------------------------------------
+
+
+def decode_infer_request(
+    pb: service_pb2.ModelInferRequest, *, allowed_reserved: frozenset[str] = frozenset()
+) -> InferRequest:
+    """The ``InferRequest`` of a ``ModelInferRequest`` (no deadline yet).
+
+    Inputs come from ``raw_input_contents`` (aligned with ``inputs`` by index,
+    and then covering every input) or else from each input's typed
+    ``contents``. Byte sizes of raw inputs are checked by the core against
+    the model; typed contents are converted (and counted) here.
+    """
+    raw = pb.raw_input_contents
+    if raw and len(raw) != len(pb.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries for {len(pb.inputs)} inputs; when "
+            "raw_input_contents is used it must hold every input, in the order of 'inputs'"
+        )
+    # Per request: protobuf field reads are the cost here, so each is read once.
+    inputs: list[Tensor] = []
+    for index, tensor in enumerate(pb.inputs):
+        name = tensor.name
+        shape = tuple(tensor.shape)  # int64 fields: already Python ints
+        params = _tensor_parameters(tensor.parameters, "input", name)
+        if raw:
+            if tensor.HasField("contents") and tensor.contents.ListFields():
+                raise InvalidArgument(f"input '{name}': contents must be empty when raw_input_contents is used")
+            data: bytes = raw[index]
+        else:
+            data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
+        inputs.append(Tensor(name, tensor.datatype, shape, data, params))
+
+    outputs: list[RequestedOutput] = []
+    for o in pb.outputs:
+        out_params = _tensor_parameters(o.parameters, "output", o.name)
+        out_params.pop("binary_data", None)  # HTTP-only
+        outputs.append(RequestedOutput(o.name, parameters=out_params))
+
+    parameters: dict[str, Any] = {}
+    priority = 0
+    timeout_us = 0
+    for key, param in (pb.parameters.items() if pb.parameters else ()):
+        value = param_value(param)
+        if key == _PRIORITY:
+            priority = _non_negative_int(key, value)
+        elif key == _TIMEOUT:
+            timeout_us = _non_negative_int(key, value)
+        elif key in _IGNORED_PARAMETERS or key in allowed_reserved:
+            continue
+        elif key.startswith(_RESERVED_PREFIX):
+            raise InvalidArgument(
+                f"request parameter '{key}': keys starting with '{_RESERVED_PREFIX}' are reserved "
+                "and must not be sent"
+            )
+        else:
+            parameters[key] = value
+
+    return InferRequest(
+        model=pb.model_name,
+        version=pb.model_version,
+        id=pb.id,
+        inputs=inputs,
+        outputs=outputs,
+        parameters=parameters,
+        priority=priority,
+        timeout_us=timeout_us,
+    )
+
+
+def encode_infer_response(resp: InferResponse, request: InferRequest) -> service_pb2.ModelInferResponse:
+    """The ``ModelInferResponse`` of ``resp``: every output in raw_output_contents, id echoed."""
+    pb = service_pb2.ModelInferResponse(
+        model_name=resp.model or request.model, model_version=resp.version, id=request.id
+    )
+    if resp.parameters:
+        for key, value in resp.parameters.items():
+            if not key.startswith("_"):  # underscore keys are the gateway's own bookkeeping
+                _set_param(pb.parameters[key], value)
+    for tensor in resp.outputs:
+        out = pb.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+        if tensor.parameters:
+            for key, value in tensor.parameters.items():
+                _set_param(out.parameters[key], value)
+        data = tensor.data
+        pb.raw_output_contents.append(data if isinstance(data, bytes) else bytes(data))
+    return pb
