@@ -48,7 +48,7 @@ def make_input(path: Path, rows: int) -> None:
 def start_cluster(repo: Path, workers: int, workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:
     ready = workdir / f"up{workers}.json"
     log = open(workdir / f"up{workers}.log", "wb")
-    cmd = [sys.executable, "-m", "gateway.cli", "up", "--workers", str(workers), "--model-repository", str(repo),
+    cmd = [sys.executable, "-m", "infergate", "up", "--workers", str(workers), "--model-repository", str(repo),
            "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready), "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
@@ -72,7 +72,7 @@ def stop_cluster(proc: subprocess.Popen[bytes]) -> None:
 
 def run_job(url: str, inp: Path, out: Path, extra: list[str]) -> dict:
     report = out.with_name(out.name + ".report.json")
-    cmd = [sys.executable, "-m", "gateway.cli", "batch", "-m", "mlp", "-i", str(inp), "-o", str(out), "-u", url,
+    cmd = [sys.executable, "-m", "infergate", "batch", "-m", "mlp", "-i", str(inp), "-o", str(out), "-u", url,
            "--no-progress", "--overwrite", "--report", str(report), *extra]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_cluster(repo: Path, workers: int, workdir: Path, config: Path | None) -> tuple[subprocess.Popen, dict]:
     ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "gateway.cli", "up", "--workers", str(workers), "--model-repository", str(repo),
+    cmd = [sys.executable, "-m", "infergate", "up", "--workers", str(workers), "--model-repository", str(repo),
            "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready), "--log-level", "WARNING"]
     if config is not None:
         cmd += ["--config", str(config)]

@@ -67,7 +67,7 @@ def prepare_repositories(workdir: Path, executors: int) -> tuple[Path, Path]:
 def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``infergate bench`` level against ``url``; its level record from the JSON report."""
     cmd = [
-        sys.executable, "-m", "gateway.cli", "bench", "-m", MODEL, "-u", url, "-i", "grpc",
+        sys.executable, "-m", "infergate", "bench", "-m", MODEL, "-u", url, "-i", "grpc",
         "--concurrency-range", f"{concurrency}:{concurrency}:1",
         "-p", str(args.measurement_ms), "-r", str(args.max_trials), "-s", str(args.stability),
         "--warmup", args.warmup, "--processes", str(args.client_processes), "--json", str(out),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -24,17 +23,18 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from .cluster_api import add_cluster_routes
-from .config import ConfigError, GatewayConfig, load_config
-from .core import Gateway
-from .dashboard import add_dashboard_routes
-from .drain import add_drain_routes
-from .grpc_api import add_grpc_services
-from .grpc_guard import MalformedRequestGuard
-from .http_api import create_http_app
-from .metrics import add_metrics_routes
-from .registry import add_registry_service
-from .security import GatewaySecurity, add_security_arguments, security_overrides
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.core import Gateway
+from gateway.fleet.drain import add_drain_routes
+from gateway.fleet.registry import add_registry_service
+from gateway.frontends.grpc_api import add_grpc_services
+from gateway.frontends.grpc_guard import MalformedRequestGuard
+from gateway.frontends.http_api import create_http_app
+from gateway.observability.cluster_api import add_cluster_routes
+from gateway.observability.dashboard import add_dashboard_routes
+from gateway.observability.metrics import add_metrics_routes
+from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
+from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
         **security_overrides(args),
     )
-
-
-def write_ready_file(path: str | None, payload: dict[str, Any]) -> None:
-    if not path:
-        return
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -182,19 +174,6 @@ async def serve(config: GatewayConfig, ready_file: str | None) -> None:
     await wait_for_signal()
     log.info("shutting down (grace %.1fs)", config.shutdown_grace_s)
     await running.stop(config.shutdown_grace_s)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def install_event_loop_policy() -> None:
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 def run(args: argparse.Namespace) -> int:

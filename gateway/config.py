@@ -14,12 +14,17 @@ from typing import Any, Mapping
 
 import yaml
 
+from gateway.limits import AdmissionSettings
+from gateway.routing.hedging import HedgeSettings
+from gateway.routing.outlier import OutlierSettings
+from gateway.routing.retry_budget import RetrySettings
+
 WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight")
-# Keys of a `models.<name>` entry for placement and lifecycle (gateway/placement.py):
+# Keys of a `models.<name>` entry for placement and lifecycle (gateway/fleet/placement.py):
 # replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
 PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")
 
@@ -90,7 +95,7 @@ class GatewayConfig:
     retry_limit: int = 3
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
-    # Reliability (gateway/outlier.py, retry_budget.py, hedging.py, limits.py).
+    # Reliability (gateway/routing/outlier.py, retry_budget.py, hedging.py, limits.py).
     # Outlier ejection: N consecutive failures or a latency outlier ejects a
     # worker for base * (its ejection count), at most max, and never more
     # than max_ejection_percent of the workers at once.
@@ -121,7 +126,7 @@ class GatewayConfig:
     # The workers' model repository, read by the gateway only to split the
     # logical models declared with `from:` (`infergate up` fills it in).
     model_repository: str = ""
-    # Fleet (gateway/fleet.py). Membership beyond `workers`: DNS names whose
+    # Fleet (gateway/fleet/manager.py). Membership beyond `workers`: DNS names whose
     # every address is a worker (`[triton://]NAME:PORT`, re-resolved every
     # dns_refresh_s) and workers that register (`infergate worker --gateway`),
     # down after heartbeat_misses_to_down missed heartbeats.
@@ -129,7 +134,7 @@ class GatewayConfig:
     dns_refresh_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     heartbeat_misses_to_down: int = 3
-    # Placement and model lifecycle (gateway/placement.py, gateway/demand.py):
+    # Placement and model lifecycle (gateway/fleet/placement.py, gateway/fleet/demand.py):
     # models with `replicas` are placed at start; others, with load_on_demand,
     # on their first request. Idle past model_idle_ttl_s (0 = never): unloaded.
     # A worker holds models up to worker_memory_cap_bytes (0 = no cap) or
@@ -148,8 +153,8 @@ class GatewayConfig:
     autoscale_max_replicas: int = 0
     autoscale_cooldown_s: float = 30.0
     drain_timeout_s: float = 120.0
-    # Security (gateway/security.py); empty = off. Files: API keys (lines
-    # `KEY [MODELS] [rate=N/s] ...`, gateway/auth.py), admin keys, the
+    # Security (gateway/security/setup.py); empty = off. Files: API keys (lines
+    # `KEY [MODELS] [rate=N/s] ...`, gateway/security/api_keys.py), admin keys, the
     # frontends' TLS certificate and key, the shared worker token, and the
     # CA / client certificate and key for TLS to the workers.
     api_key_file: str = ""
@@ -170,6 +175,27 @@ class GatewayConfig:
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Everything else in the file, kept for the parts that read their own section.
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def outlier_settings(self) -> OutlierSettings:
+        return OutlierSettings(
+            consecutive_failures=self.outlier_consecutive_failures,
+            base_ejection_s=self.outlier_base_ejection_s,
+            max_ejection_s=self.outlier_max_ejection_s,
+            max_ejection_percent=self.outlier_max_ejection_percent,
+            latency_factor=self.outlier_latency_factor,
+            latency_min_excess_s=self.outlier_latency_min_excess_s,
+        )
+
+    def retry_settings(self) -> RetrySettings:
+        return RetrySettings(self.retry_budget_percent, self.retry_min_concurrency,
+                             self.retry_backoff_base_s, self.retry_backoff_max_s)
+
+    def hedge_settings(self) -> HedgeSettings:
+        return HedgeSettings(hedge_percentile=self.hedge_percentile, hedge_min_delay_s=self.hedge_min_delay_s,
+                             hang_multiplier=self.hang_multiplier, hang_min_s=self.hang_min_s)
+
+    def admission_settings(self) -> AdmissionSettings:
+        return AdmissionSettings(self.max_inflight_requests, self.max_inflight_bytes, self.priority_reserve_percent)
 
     def model_settings(self, name: str) -> Mapping[str, Any]:
         return self.models.get(name, {})
@@ -319,14 +345,9 @@ def _validate(config: GatewayConfig) -> None:
 
 def _validate_reliability(config: GatewayConfig) -> None:
     """Build the reliability settings once, so a bad key fails at load time and names itself."""
-    from .hedging import HedgeSettings
-    from .limits import AdmissionSettings
-    from .outlier import OutlierSettings
-    from .retry_budget import RetrySettings
-
-    for settings in (OutlierSettings, RetrySettings, HedgeSettings, AdmissionSettings):
+    for build in (config.outlier_settings, config.retry_settings, config.hedge_settings, config.admission_settings):
         try:
-            settings.from_config(config)
+            build()
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

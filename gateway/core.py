@@ -15,25 +15,24 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
+from gateway import __version__
+from gateway.batching.assembly import build_batch_request, split_batch_response
+from gateway.batching.batcher import Batcher, BatchPolicy
+from gateway.config import GatewayConfig
+from gateway.fleet import repository
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.manager import Fleet
+from gateway.frontends.validation import validate_request
+from gateway.limits import Admission
+from gateway.observability.latency import LatencyHistograms
+from gateway.observability.stats import GatewayStats
+from gateway.parallel.serving import ParallelModels
+from gateway.routing.outlier import OutlierDetector
+from gateway.routing.retry_budget import RetryBudget
+from gateway.routing.router import Router
+from gateway.security.setup import worker_client_factory
+from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFound, Unavailable
-
-from . import __version__, repository
-from .batcher import Batcher, BatchPolicy
-from .cluster import Cluster
-from .config import GatewayConfig
-from .executor import build_batch_request, split_batch_response
-from .fleet import Fleet
-from .hedging import HedgeSettings
-from .limits import Admission, AdmissionSettings
-from .metrics import LatencyHistograms
-from .outlier import OutlierDetector, OutlierSettings
-from .parallel.serving import ParallelModels
-from .retry_budget import RetryBudget, RetrySettings
-from .router import Router
-from .security import worker_client_factory
-from .stats import GatewayStats
-from .types import InferRequest, InferResponse
-from .validation import validate_request
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class Gateway:
             # The worker token and TLS credentials, when configured.
             client_factory=worker_client_factory(config),
         )
-        retry = RetrySettings.from_config(config)
+        retry = config.retry_settings()
         self.router = router or Router(
             self.cluster,
             max_inflight_per_replica=config.max_inflight_per_replica,
@@ -79,11 +78,11 @@ class Gateway:
             retry_backoff_s=retry.backoff_base_s,
             retry_backoff_max_s=retry.backoff_max_s,
             retry_budget=RetryBudget.from_settings(retry),
-            outliers=OutlierDetector(OutlierSettings.from_config(config)),
-            hedging=HedgeSettings.from_config(config),
+            outliers=OutlierDetector(config.outlier_settings()),
+            hedging=config.hedge_settings(),
         )
         # Gateway-wide bounds on admitted requests (requests and bytes in flight).
-        self.admission = Admission(AdmissionSettings.from_config(config))
+        self.admission = Admission(config.admission_settings())
         # Logical models split across workers (config `models.<name>.from/path`):
         # their batches run through the registry's plans instead of one routed call.
         self.parallel = ParallelModels(config, self.cluster, self.router)

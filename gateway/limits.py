@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
+from gateway.types import InferRequest
 from protos.errors import InvalidArgument, Overloaded
-
-from .types import InferRequest
-
-if TYPE_CHECKING:
-    from .config import GatewayConfig
 
 # Triton defines no HTTP timeout header; this one takes milliseconds (an integer or a decimal).
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -59,9 +55,6 @@ class AdmissionSettings:
         if self.retry_after_s <= 0:
             raise ValueError("retry_after_s must be positive")
 
-    @classmethod
-    def from_config(cls, config: GatewayConfig) -> AdmissionSettings:
-        return cls(config.max_inflight_requests, config.max_inflight_bytes, config.priority_reserve_percent)
 
 
 @dataclass(frozen=True, slots=True)

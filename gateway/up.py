@@ -24,10 +24,11 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from .app import install_event_loop_policy, setup_logging, start_gateway, wait_for_signal, write_ready_file
-from .cluster import Cluster
-from .config import ConfigError, GatewayConfig, WorkerSpec, load_config
-from .security import add_security_arguments, local_worker_token, security_overrides
+from gateway.app import start_gateway, wait_for_signal
+from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
+from gateway.fleet.cluster import Cluster
+from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
+from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class LocalWorker:
         with suppress(FileNotFoundError):
             ready.unlink()
         cmd = [
-            sys.executable, "-m", "gateway.cli", "worker",
+            sys.executable, "-m", "infergate", "worker",
             "--model-repository", self.repository,
             "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--ready-file", str(ready), *self.extra_args,

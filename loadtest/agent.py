@@ -26,11 +26,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from .clients import BenchClient
-from .config import LoadMode
-from .latency import Window
-from .messages import Failed, Final, Go, LevelPlan, Link, LinkClosed, Ready, Shutdown, Stop, WindowReport
-from .schedule import offsets
+from loadtest.clients import BenchClient
+from loadtest.config import LoadMode
+from loadtest.latency import Window
+from loadtest.messages import Failed, Final, Go, LevelPlan, Link, LinkClosed, Ready, Shutdown, Stop, WindowReport
+from loadtest.schedule import offsets
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,15 @@ import argparse
 import logging
 import sys
 
-from .config import BenchConfig, BenchError, parse_header, parse_int_range, parse_range, parse_shape, parse_warmup
+from loadtest.config import (
+    BenchConfig,
+    BenchError,
+    parse_header,
+    parse_int_range,
+    parse_range,
+    parse_shape,
+    parse_warmup,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # Imported here so `infergate bench --help` stays quick.
-    from .report import format_table, write_outputs
-    from .runner import run_bench
+    from loadtest.report import format_table, write_outputs
+    from loadtest.runner import run_bench
 
     try:
         config = config_from_args(args)

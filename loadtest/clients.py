@@ -32,10 +32,9 @@ import grpc
 import orjson
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from protos import codec
-
-from .config import BenchConfig, BenchError, Protocol
-from .inputs import ModelSignature, Payload, make_signature
+from loadtest.config import BenchConfig, BenchError, Protocol
+from loadtest.inputs import ModelSignature, Payload, make_signature
+from protos import codec, json_codec
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ def http_body(payload: Payload, binary: bool) -> tuple[bytes, dict[str, str]]:
         try:
             inputs = [
                 {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
-                 "data": codec.raw_to_json(t.datatype, t.shape, t.raw, name=t.name)}
+                 "data": json_codec.raw_to_json(t.datatype, t.shape, t.raw, name=t.name)}
                 for t in payload
             ]  # fmt: skip
         except codec.CodecError as exc:

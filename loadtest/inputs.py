@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from protos import codec
-
-from .config import BenchError
+from loadtest.config import BenchError
+from protos import codec, json_codec
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ def _entry_tensor(spec: TensorSpec, default_dims: tuple[int, ...] | None, value:
     if shape is None:
         raise BenchError(f"{where}: give a 'shape' for input {spec.name} or --shape {spec.name}:DIMS")
     try:
-        return shape, codec.json_to_raw(spec.datatype, shape, value, name=spec.name)
+        return shape, json_codec.json_to_raw(spec.datatype, shape, value, name=spec.name)
     except codec.CodecError as exc:
         raise BenchError(f"{where}: {exc}") from None
 

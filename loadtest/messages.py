@@ -23,8 +23,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .config import Distribution, LoadMode
-from .latency import Window
+from loadtest.config import Distribution, LoadMode
+from loadtest.latency import Window
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from .agent import Agent, AgentSettings
-from .clients import BenchClient, ClientFactory, make_client
-from .config import BenchConfig
-from .inputs import Payload
-from .messages import Failed, Link, LinkClosed, Shutdown, local_pair
+from loadtest.agent import Agent, AgentSettings
+from loadtest.clients import BenchClient, ClientFactory, make_client
+from loadtest.config import BenchConfig
+from loadtest.inputs import Payload
+from loadtest.messages import Failed, Link, LinkClosed, Shutdown, local_pair
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import math
 import sys
 from typing import Protocol, TextIO
 
-from .latency import Window
-from .report import LevelResult
+from loadtest.latency import Window
+from loadtest.report import LevelResult
 
 
 class Progress(Protocol):

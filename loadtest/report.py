@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from .clients import ServerStats
-from .latency import LatencySummary, Window, summarize
+from loadtest.clients import ServerStats
+from loadtest.latency import LatencySummary, Window, summarize
 
 # A client process busier than this is probably the bottleneck, not the server.
 SATURATED_CPU = 0.9

@@ -29,15 +29,15 @@ import threading
 import time
 from collections import defaultdict
 
-from .clients import BenchClient, ClientFactory, ServerStats, make_client
-from .config import STABILITY_WINDOWS, BenchConfig, BenchError, LoadMode
-from .inputs import build_payloads
-from .latency import Window, concat, is_stable
-from .messages import Failed, Final, Go, LevelPlan, Link, LinkClosed, Ready, Stop, WindowReport
-from .processes import AgentPool, run_with_uvloop, start_agents
-from .progress import Progress, SilentProgress, StreamProgress
-from .report import BenchResult, LevelResult, level_result
-from .schedule import share
+from loadtest.clients import BenchClient, ClientFactory, ServerStats, make_client
+from loadtest.config import STABILITY_WINDOWS, BenchConfig, BenchError, LoadMode
+from loadtest.inputs import build_payloads
+from loadtest.latency import Window, concat, is_stable
+from loadtest.messages import Failed, Final, Go, LevelPlan, Link, LinkClosed, Ready, Stop, WindowReport
+from loadtest.processes import AgentPool, run_with_uvloop, start_agents
+from loadtest.progress import Progress, SilentProgress, StreamProgress
+from loadtest.report import BenchResult, LevelResult, level_result
+from loadtest.schedule import share
 
 log = logging.getLogger(__name__)
 

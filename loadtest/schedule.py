@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .config import Distribution
+from loadtest.config import Distribution
 
 _CHUNK = 4096  # exponential gaps drawn per numpy call
 

@@ -34,11 +34,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .suite_context import SuiteContext, SuiteSettings, describe_machine
-from .suite_report import SectionResult, format_markdown, write_results
-from .suite_scale import run_scale, run_sim_check
-from .suite_parallel import run_parallel
-from .suite_sections import run_batching, run_overhead
+from loadtest.suite_context import SuiteContext, SuiteSettings, describe_machine
+from loadtest.suite_parallel import run_parallel
+from loadtest.suite_report import SectionResult, format_markdown, write_results
+from loadtest.suite_scale import run_scale, run_sim_check
+from loadtest.suite_sections import run_batching, run_overhead
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from .config import BenchConfig, Protocol
-from .report import LevelResult
-from .runner import run_bench
-from .suite_procs import ProcessGroup, Service, SuiteError, wait_for_cluster
+from loadtest.config import BenchConfig, Protocol
+from loadtest.report import LevelResult
+from loadtest.runner import run_bench
+from loadtest.suite_procs import ProcessGroup, Service, SuiteError, wait_for_cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .suite_context import SuiteContext
-from .suite_report import Column, SectionResult
+from loadtest.suite_context import SuiteContext
+from loadtest.suite_report import Column, SectionResult
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "parallel_bench.py"

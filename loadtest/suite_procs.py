@@ -154,7 +154,7 @@ class ProcessGroup:
         index = next(self._counter)
         ready_path = self._workdir / f"{index}-{name}.ready.json"
         log_path = self._workdir / f"{index}-{name}.log"
-        cmd = [sys.executable, "-m", "gateway.cli", *args, "--ready-file", str(ready_path)]
+        cmd = [sys.executable, "-m", "infergate", *args, "--ready-file", str(ready_path)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(log_path, "wb") as log_file:
             popen = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 import time
 
-from .report import LevelResult
-from .suite_context import SuiteContext, grpc_address, ms
-from .suite_procs import ProcessGroup, cpu_seconds, machine_busy_seconds
-from .suite_report import Column, SectionResult
-from .suite_sections import level_dict
+from loadtest.report import LevelResult
+from loadtest.suite_context import SuiteContext, grpc_address, ms
+from loadtest.suite_procs import ProcessGroup, cpu_seconds, machine_busy_seconds
+from loadtest.suite_report import Column, SectionResult
+from loadtest.suite_sections import level_dict
 
 CHECK_LATENCY_MS = 5.0
 CHECK_PER_ROW_US = 100.0

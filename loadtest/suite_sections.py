@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from .report import LevelResult
-from .suite_context import SuiteContext, grpc_address, median, ms
-from .suite_procs import ProcessGroup
-from .suite_report import Column, SectionResult
+from loadtest.report import LevelResult
+from loadtest.suite_context import SuiteContext, grpc_address, median, ms
+from loadtest.suite_procs import ProcessGroup
+from loadtest.suite_report import Column, SectionResult
 
 BATCHING_CLIENTS = 64
 FIXED_DELAY_US = 2000

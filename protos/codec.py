@@ -3,8 +3,8 @@
 Owns every conversion between numpy arrays and the wire forms of a tensor:
 the datatype table, the BYTES length-prefix encoding (a 4-byte little-endian
 length before each element, row-major), gRPC typed contents
-(``InferTensorContents``), HTTP JSON ``data`` lists (in ``protos.json_codec``,
-re-exported here), and splitting or joining
+(``InferTensorContents``), HTTP JSON ``data`` lists (built on this module in ``protos.json_codec``),
+and splitting or joining
 batched tensors along dim 0.
 
 The hot path (``validate_raw``, ``split_rows``, ``concat_rows``) works on
@@ -381,6 +381,3 @@ def concat_rows(parts: Sequence[Buffer]) -> bytes:
     """Join row-major tensors with equal non-batch shapes along dim 0."""
     return b"".join(parts)
 
-
-# HTTP JSON tensors live in their own module; re-exported so callers use one codec.
-from protos.json_codec import json_to_raw, raw_to_json  # noqa: E402, F401  (needs the helpers above)

@@ -2,7 +2,7 @@
 (flat or nested, BYTES as strings, BOOL as true/false) to raw bytes, and raw
 bytes back to a flat ``data`` list for JSON responses.
 
-Part of the codec (``protos.codec`` re-exports both functions); values are
+Built on the codec (``protos.codec``: datatypes, BYTES encoding); values are
 checked strictly: wrong JSON types and out-of-range integers raise
 :class:`~protos.codec.CodecError`.
 """

@@ -62,7 +62,7 @@ class Proc:
 
 
 def infergate_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", *args]
+    return [sys.executable, "-m", "infergate", *args]
 
 
 def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Proc:

@@ -1,2 +1,10 @@
 """The infergate worker server: a KServe v2 gRPC server running models from a
-Triton-layout repository with ONNX Runtime (or the simulated accelerator)."""
+Triton-layout repository with ONNX Runtime (or the simulated accelerator).
+
+``server`` wires the process; ``service`` is the gRPC service; ``manager``
+loads and unloads models from ``repository``; ``backends`` run them;
+``registration`` joins a gateway; ``metrics``, ``stats`` and ``auth`` as named.
+
+May import: ``protos``, ``serverkit``; never ``gateway``. A request enters at
+``service.InferenceService.ModelInfer``.
+"""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -39,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from protos.errors import InferGateError
+from serverkit import process
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
 from workers.backends.base import BackendOptions, backend_names, create_backend
@@ -96,12 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+    process.setup_logging(args.log_level)
+    process.install_event_loop_policy()
+    return asyncio.run(serve(args))
 
 
 def _backend_options(args: argparse.Namespace) -> BackendOptions:
@@ -130,13 +127,10 @@ def _startup_models(args: argparse.Namespace, repository: ModelRepository) -> li
 
 
 def write_ready_file(path: Path, port: int, metrics_port: int | None = None) -> None:
-    """Atomic: a reader sees no file or the whole JSON, never a partial one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     payload: dict[str, int] = {"grpc_port": port, "pid": os.getpid()}
     if metrics_port is not None:
         payload["metrics_port"] = metrics_port
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    process.write_ready_file(path, payload)
 
 
 async def serve(args: argparse.Namespace) -> int:

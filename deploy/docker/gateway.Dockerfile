@@ -15,8 +15,12 @@ RUN python -m venv /opt/infergate
 COPY deploy/docker/requirements-gateway.txt /tmp/requirements.txt
 RUN /opt/infergate/bin/pip install -r /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
+COPY infergate /src/infergate
 COPY gateway /src/gateway
 COPY workers /src/workers
+COPY splitter /src/splitter
+COPY batchjobs /src/batchjobs
+COPY serverkit /src/serverkit
 COPY protos /src/protos
 COPY loadtest /src/loadtest
 COPY models /src/models

@@ -21,8 +21,12 @@ RUN python3 -m venv /opt/infergate
 COPY deploy/docker/requirements-worker.txt /tmp/requirements.txt
 RUN /opt/infergate/bin/pip install -r /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
+COPY infergate /src/infergate
 COPY gateway /src/gateway
 COPY workers /src/workers
+COPY splitter /src/splitter
+COPY batchjobs /src/batchjobs
+COPY serverkit /src/serverkit
 COPY protos /src/protos
 COPY loadtest /src/loadtest
 COPY models /src/models

@@ -34,9 +34,9 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.cluster import ModelInfo
 from gateway.config import ConfigError
-from gateway.parallel.plan import Plan
+from gateway.fleet.cluster import ModelInfo
+from splitter.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from gateway.executor import Sender
-from gateway.parallel.plan import Collective, Plan, Shard
+from gateway.batching.assembly import Sender
 from protos import codec
 from protos.errors import Internal
+from splitter.plan import Collective, Plan, Shard
 
 
 def needed_outputs(plan: Plan) -> dict[str, tuple[str, ...]]:

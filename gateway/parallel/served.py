@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from gateway.cluster import ModelInfo
-from gateway.parallel.layout_split import LayoutSplit
+from gateway.fleet.cluster import ModelInfo
 from gateway.parallel.logical import LogicalSpec
 from gateway.parallel.placement import SlotKey
+from splitter.layout_split import LayoutSplit
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,11 +43,9 @@ from typing import Any
 import onnx
 from tritonclient.grpc import service_pb2
 
-from gateway.cluster import Cluster, ModelInfo
+from gateway.batching.assembly import Sender
 from gateway.config import GatewayConfig
-from gateway.executor import Sender
-from gateway.parallel.execute import PlanExecutor
-from gateway.parallel.layout_split import LayoutSplit, split_layout
+from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.parallel.logical import (
     VERSION,
     LogicalSpec,
@@ -65,6 +63,8 @@ from gateway.parallel.remote import (
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
 from protos.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable
+from splitter.execute import PlanExecutor
+from splitter.layout_split import LayoutSplit, split_layout
 
 log = logging.getLogger(__name__)
 

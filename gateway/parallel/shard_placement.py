@@ -25,11 +25,11 @@ import time
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
-from gateway.cluster import Cluster, ModelInfo, WorkerState, WorkerStatus
+from gateway.fleet.cluster import Cluster, ModelInfo, WorkerState, WorkerStatus
+from gateway.fleet.worker_client import WorkerUnreachable
 from gateway.parallel.placement import SlotKey, place
 from gateway.parallel.served import ServedModel
-from gateway.parallel.shards import shard_config
-from gateway.worker_client import WorkerUnreachable
+from splitter.shards import shard_config
 
 log = logging.getLogger(__name__)
 

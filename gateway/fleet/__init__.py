@@ -1,0 +1,15 @@
+"""The fleet: which workers exist, which are healthy, and what runs where.
+
+``cluster`` is the gateway's view of its workers and their models (probed;
+Triton servers through ``triton_discovery``); ``worker_client`` speaks to one
+worker; membership sources are the static list (``membership``), DNS
+(``discovery``) and self-registration (``registry``, ``worker_reports``);
+``placement``, ``rendezvous`` and ``demand`` keep models on workers;
+``drain`` empties a worker; ``repository`` forwards the repository extension;
+``manager`` starts and stops these parts in order.
+
+May import: ``gateway.config``, ``gateway.types``, ``protos``, tritonclient's
+stubs; ``drain`` also serves its HTTP endpoints with the frontends' error
+responses. Nothing here handles an inference request; the router reads the
+cluster's view.
+"""

@@ -1,0 +1,13 @@
+"""The gateway's frontends: where client requests enter.
+
+HTTP/REST (``http_api`` with its body codec ``http_codec`` and the management
+endpoints' JSON ``http_json``) and gRPC
+(``grpc_api`` with its wire conversion ``grpc_wire`` and the undecodable-
+message guard ``grpc_guard``) decode a wire request into one
+``gateway.types.InferRequest`` and encode the answer back; ``validation``
+checks a decoded request against the model's metadata.
+
+May import: ``gateway.types``, ``gateway.limits``, ``protos``. Frontends talk
+to the core only through the ``InferenceCore`` protocol in ``gateway.types``,
+never by importing ``gateway.core``.
+"""

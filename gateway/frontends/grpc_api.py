@@ -1,0 +1,366 @@
+"""The gateway's gRPC frontend: KServe v2 ``inference.GRPCInferenceService``
+plus the standard gRPC health service, in front of an ``InferenceCore``.
+
+Owns the client deadline and cancellation hand-off to the core, the bidirectional
+inference stream, and the one place where errors become gRPC statuses; the
+wire <-> ``InferRequest``/``InferResponse`` conversion is ``gateway.frontends.grpc_wire``.
+The ``grpc.aio.Server`` itself (ports, message size limits, TLS, start and
+stop) belongs to the application, which calls :func:`add_grpc_services`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from gateway.frontends.grpc_wire import (
+    EMPTY_FINAL,
+    FINAL_RESPONSE,
+    SHM_MESSAGE,
+    decode_infer_request,
+    encode_infer_response,
+    param_value,
+)
+from gateway.types import InferenceCore, InferRequest
+from protos.errors import Cancelled, InferGateError, Internal, Overloaded, QuotaExceeded, Unsupported
+
+_log = logging.getLogger(__name__)
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+# ---- errors: the one edge ---------------------------------------------------
+
+
+def _as_error(exc: Exception, request_id: str = "") -> InferGateError:
+    """Our error for ``exc``; anything unexpected becomes a generic Internal, logged with its traceback."""
+    if isinstance(exc, InferGateError):
+        return exc
+    _log.error("unexpected error in gRPC request id=%r", request_id, exc_info=exc)
+    return Internal("internal error; see the gateway log")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request_id: str = "") -> NoReturn:
+    """End the RPC with the status of ``exc`` (raises, as ``context.abort`` does)."""
+    err = _as_error(exc, request_id)
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(err, (Overloaded, QuotaExceeded)):
+        # Whole seconds, as HTTP's Retry-After, so both frontends say the same.
+        trailing = (("retry-after", str(max(1, math.ceil(err.retry_after_s)))),)
+    await context.abort(err.grpc_code, err.message, trailing_metadata=trailing)
+    raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+
+def _rpc_cancelled(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the RPC's own task is being cancelled, rather than something it awaited."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    if cancelling is not None:
+        return bool(cancelling())
+    return context.done()  # Python 3.10 has no cancel count; a finished RPC is the best sign
+
+
+def _unary_edge(
+    method: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]],
+) -> Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]:
+    """Route every exception of a unary handler through :func:`_abort`.
+
+    A cancel of the RPC itself (client cancel, deadline, server stop) passes
+    through untouched. A CancelledError raised from below while the RPC goes
+    on (a future the core awaited was cancelled) must still answer: grpc.aio
+    would otherwise leave the client waiting for its deadline.
+    """
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:
+            if _rpc_cancelled(context):
+                raise
+            await _abort(context, Cancelled("the request was cancelled"), getattr(request, "id", ""))
+        except Exception as exc:  # the error-mapping edge
+            await _abort(context, exc, getattr(request, "id", ""))
+
+    return handler
+
+
+def _unsupported(message: str) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    @_unary_edge
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise Unsupported(message)
+
+    return handler
+
+
+def _stream_error(pb: service_pb2.ModelInferRequest, err: InferGateError) -> service_pb2.ModelStreamInferResponse:
+    # The id rides along so raw-stub clients can match the error to its request.
+    echo = service_pb2.ModelInferResponse(model_name=pb.model_name, model_version=pb.model_version, id=pb.id)
+    return service_pb2.ModelStreamInferResponse(error_message=err.message, infer_response=echo)
+
+
+def _apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
+    """Tighten the request's deadline to the client's gRPC deadline, on the loop clock."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return
+    if request.timeout_us and request.timeout_us / 1e6 <= remaining:
+        return  # the request's own timeout is tighter; the core applies it
+    request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)
+
+
+# ---- the service ----------------------------------------------------------------
+
+
+class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, core: InferenceCore, *, max_stream_inflight: int) -> None:
+        self._core = core
+        self._max_stream_inflight = max_stream_inflight
+        self.serving = False  # ServerReady follows GrpcFrontend.set_serving
+
+    # -- health and metadata
+
+    @_unary_edge
+    async def ServerLive(self, request: Any, context: Any) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=self._core.server_live())
+
+    @_unary_edge
+    async def ServerReady(self, request: Any, context: Any) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=self.serving and self._core.server_ready())
+
+    @_unary_edge
+    async def ServerMetadata(self, request: Any, context: Any) -> service_pb2.ServerMetadataResponse:
+        return self._core.server_metadata()
+
+    @_unary_edge
+    async def ModelReady(self, request: Any, context: Any) -> service_pb2.ModelReadyResponse:
+        return service_pb2.ModelReadyResponse(ready=self._core.model_ready(request.name, request.version))
+
+    @_unary_edge
+    async def ModelMetadata(self, request: Any, context: Any) -> service_pb2.ModelMetadataResponse:
+        return self._core.model_metadata(request.name, request.version)
+
+    @_unary_edge
+    async def ModelConfig(self, request: Any, context: Any) -> service_pb2.ModelConfigResponse:
+        return service_pb2.ModelConfigResponse(config=self._core.model_config(request.name, request.version))
+
+    @_unary_edge
+    async def ModelStatistics(self, request: Any, context: Any) -> service_pb2.ModelStatisticsResponse:
+        return await self._core.model_statistics(request.name, request.version)
+
+    # -- repository
+
+    @_unary_edge
+    async def RepositoryIndex(self, request: Any, context: Any) -> service_pb2.RepositoryIndexResponse:
+        return await self._core.repository_index(ready_only=request.ready)
+
+    @_unary_edge
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> service_pb2.RepositoryModelLoadResponse:
+        await self._core.load_model(request.model_name, dict(request.parameters))
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_unary_edge
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> service_pb2.RepositoryModelUnloadResponse:
+        param = request.parameters.get("unload_dependents")
+        dependents = param is not None and param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+        await self._core.unload_model(request.model_name, unload_dependents=dependents)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    # -- inference
+
+    @_unary_edge
+    async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
+        req = decode_infer_request(request)
+        _apply_client_deadline(req, context)
+        # Awaited in the RPC's own task: a client cancel or an expired deadline
+        # cancels this task, and with it everything the core awaits for us.
+        resp = await self._core.infer(req)
+        return encode_infer_response(resp, req)
+
+    async def _stream_one(
+        self, pb: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ModelStreamInferResponse:
+        """One stream request's response; failures become an in-stream error_message."""
+        try:
+            req = decode_infer_request(pb, allowed_reserved=frozenset({EMPTY_FINAL}))
+            _apply_client_deadline(req, context)
+            out = encode_infer_response(await self._core.infer(req), req)
+            if EMPTY_FINAL in pb.parameters and param_value(pb.parameters[EMPTY_FINAL]) is True:
+                out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
+            return service_pb2.ModelStreamInferResponse(infer_response=out)
+        except Exception as exc:  # the in-stream error edge: the stream goes on
+            return _stream_error(pb, _as_error(exc, pb.id))
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """Requests of one stream run concurrently; each response goes out as it completes.
+
+        Invariants: a reader task spawns one task per request after taking a
+        slot; every request task puts exactly one response on ``done``; this
+        generator writes them and frees the slot after each write, so at most
+        ``max_stream_inflight`` requests are running or waiting to be written
+        (a client that stops reading stops being read). The stream ends once
+        the client has half-closed and every spawned request is written.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Queue[Any] = asyncio.Queue()
+        slots = asyncio.Semaphore(self._max_stream_inflight)
+        tasks: set[asyncio.Task[None]] = set()
+        end = object()
+        spawned = 0
+
+        async def answer(pb: service_pb2.ModelInferRequest) -> None:
+            done.put_nowait(await self._stream_one(pb, context))
+
+        def answered(task: asyncio.Task[None], pb: service_pb2.ModelInferRequest) -> None:
+            tasks.discard(task)
+            # _stream_one turns every Exception into a response; only a cancel
+            # coming from below (not from this stream's teardown, after which
+            # nobody reads ``done``) ends a task without one. Stand in for it.
+            if task.cancelled():
+                done.put_nowait(_stream_error(pb, Cancelled("the request was cancelled")))
+
+        async def read_all() -> None:
+            nonlocal spawned
+            try:
+                async for pb in request_iterator:
+                    await slots.acquire()
+                    task = loop.create_task(answer(pb))
+                    tasks.add(task)
+                    task.add_done_callback(functools.partial(answered, pb=pb))
+                    spawned += 1
+                done.put_nowait(end)
+            except Exception as exc:  # surfaced to the writer, which ends the stream with it
+                done.put_nowait(exc)
+
+        reader = loop.create_task(read_all())
+        written = 0
+        ended = False
+        try:
+            while not ended or written < spawned:
+                item = await done.get()
+                if item is end:
+                    ended = True
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                written += 1
+                slots.release()
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # the error-mapping edge for the stream as a whole
+            await _abort(context, exc)
+        finally:
+            # Cancel what is left (client gone, stream aborted) and wait for it, so no task outlives its stream.
+            pending = [reader, *tasks]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- Triton extensions this server does not offer: a clear UNIMPLEMENTED, never a hang
+
+    SystemSharedMemoryStatus = _unsupported(f"system {SHM_MESSAGE}")
+    SystemSharedMemoryRegister = _unsupported(f"system {SHM_MESSAGE}")
+    SystemSharedMemoryUnregister = _unsupported(f"system {SHM_MESSAGE}")
+    CudaSharedMemoryStatus = _unsupported(f"CUDA {SHM_MESSAGE}")
+    CudaSharedMemoryRegister = _unsupported(f"CUDA {SHM_MESSAGE}")
+    CudaSharedMemoryUnregister = _unsupported(f"CUDA {SHM_MESSAGE}")
+    TraceSetting = _unsupported("trace settings are not supported by this server")
+    LogSettings = _unsupported("log settings are not supported by this server; configure logging at startup")
+
+
+# ---- wiring ---------------------------------------------------------------------
+
+
+class _HealthServicer(health_pb2_grpc.HealthServicer):
+    """The standard grpc.health.v1 service, with a synchronous ``set``.
+
+    Runs on the server's event loop only. Invariant for Watch: a watcher takes
+    the current ``_changed`` event *before* reading the status, and ``set``
+    swaps in a fresh event before firing the old one, so no change between a
+    read and the wait is missed.
+    """
+
+    def __init__(self, services: tuple[str, ...], status: int) -> None:
+        self._status = dict.fromkeys(services, status)
+        self._changed = asyncio.Event()
+
+    def set(self, service: str, status: int) -> None:
+        self._status[service] = status
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            await changed.wait()
+
+
+class GrpcFrontend:
+    """Handle on the registered services, for the application's start/stop sequence."""
+
+    def __init__(self, servicer: _InferenceServicer, health: _HealthServicer) -> None:
+        self._servicer = servicer
+        self._health = health
+
+    @property
+    def serving(self) -> bool:
+        return self._servicer.serving
+
+    def set_serving(self, serving: bool) -> None:
+        """Flip the health status ("" and the inference service) and ServerReady.
+
+        Call on the server's event loop: True once the whole application
+        serves, False first thing on shutdown so balancers stop sending while
+        in-flight requests drain.
+        """
+        self._servicer.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, status)
+
+
+def add_grpc_services(
+    server: grpc.aio.Server, core: InferenceCore, *, serving: bool = False, max_stream_inflight: int = 256
+) -> GrpcFrontend:
+    """Register the KServe v2 inference service and the health service on ``server``.
+
+    Health (and ServerReady) start as ``serving``: by default NOT_SERVING
+    until the application calls ``set_serving(True)``. ``max_stream_inflight``
+    bounds the requests of one ModelStreamInfer stream that run or wait to be
+    written at the same time.
+    """
+    if max_stream_inflight < 1:
+        raise ValueError("max_stream_inflight must be at least 1")
+    servicer = _InferenceServicer(core, max_stream_inflight=max_stream_inflight)
+    servicer.serving = serving
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    health = _HealthServicer(("", SERVICE_NAME), status)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return GrpcFrontend(servicer, health)

@@ -1,0 +1,12 @@
+"""What the gateway tells its operators: statistics, metrics, cluster view, dashboard.
+
+``stats`` keeps per-model statistics in Triton's shape; ``latency`` the
+end-to-end latency histograms; ``metrics`` serves Prometheus ``/metrics``
+from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
+``dashboard`` serves the page in ``static/``, which polls the cluster API.
+
+May import: ``serverkit`` (the Prometheus text format), ``gateway.fleet``,
+``gateway.types``, ``protos``; the live gateway is read through the object
+``app`` hands in. Nothing here is on the request path except the counters
+the core updates.
+"""

@@ -1,0 +1,190 @@
+"""The gateway's Prometheus metrics (``GET /metrics``).
+
+A custom collector reads the gateway's live counters at scrape time -- the
+per-model statistics (``GatewayStats``), the batchers' queues and counters,
+the router's per-worker counters and the cluster's view -- so nothing is
+counted twice. Triton's ``nv_inference_*`` names and labels are used where
+they mean the same thing; the gateway's own families start ``infergate_``.
+
+The one thing the live counters cannot give is a latency distribution: the
+core observes it into ``gateway.observability.latency``. The batch-size
+histogram needs no hook: the statistics already count executions per batch
+size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from serverkit.prometheus import CONTENT_TYPE, TritonCounter, render_text
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+# Rows per batch sent to a worker.
+BATCH_SIZE_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Our error classes grouped into Triton's failure reasons; the exact class
+# goes in the ``error`` label beside it.
+_TRITON_REASONS = {
+    "Overloaded": "REJECTED",
+    "QuotaExceeded": "REJECTED",
+    "DeadlineExceeded": "REJECTED",
+    "Cancelled": "CANCELED",
+    "Unavailable": "BACKEND",
+    "Internal": "BACKEND",
+}
+
+
+def triton_failure_reason(error: str) -> str:
+    """Triton's ``reason`` label (REJECTED, CANCELED, BACKEND, OTHER) for one of our error class names."""
+    return _TRITON_REASONS.get(error, "OTHER")
+
+
+def _cumulative(bounds: tuple[float, ...] | tuple[int, ...], counts: list[int]) -> list[tuple[str, float]]:
+    buckets, running = [], 0
+    for bound, n in zip(bounds, counts):
+        running += n
+        buckets.append((floatToGoString(bound), running))
+    buckets.append(("+Inf", running + sum(counts[len(bounds):])))
+    return buckets
+
+
+def batch_size_counts(batches: dict[int, int]) -> list[int]:
+    """Executions per batch size folded into ``BATCH_SIZE_BUCKETS`` (+Inf last)."""
+    counts = [0] * (len(BATCH_SIZE_BUCKETS) + 1)
+    for size, n in batches.items():
+        counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, size)] += n
+    return counts
+
+
+class GatewayCollector(Collector):
+    """Every gateway family, read from the live gateway at each scrape."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gw = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._models()
+        yield from self._queues()
+        yield from self._workers()
+        yield from self._cluster()
+
+    def _models(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        success = TritonCounter("nv_inference_request_success", "Number of successful inference requests, all batch sizes", labels)
+        failure = TritonCounter(
+            "nv_inference_request_failure",
+            "Number of failed inference requests, all batch sizes, by Triton reason and gateway error class",
+            [*labels, "reason", "error"],
+        )
+        count = TritonCounter("nv_inference_count", "Number of inferences performed (rows of successful requests)", labels)
+        execs = TritonCounter("nv_inference_exec_count", "Number of batches sent to workers", labels)
+        request_us = TritonCounter(
+            "nv_inference_request_duration_us", "Cumulative duration of successful requests in the gateway, in microseconds", labels
+        )
+        queue_us = TritonCounter(
+            "nv_inference_queue_duration_us", "Cumulative time successful requests waited in the gateway's queue, in microseconds", labels
+        )
+        compute_us = TritonCounter(
+            "nv_inference_compute_infer_duration_us",
+            "Cumulative round-trip time of batches to workers, in microseconds (one per batch)",
+            labels,
+        )
+        batch = HistogramMetricFamily("infergate_batch_size", "Rows per batch sent to a worker", labels=labels)
+        latency = HistogramMetricFamily(
+            "infergate_request_duration_seconds", "End-to-end time of successful requests in the gateway", labels=labels
+        )
+        for c in sorted(self._gw.stats.snapshot(), key=lambda c: (c.name, c.version)):
+            key = [c.name, c.version]
+            success.add_metric(key, c.success.count)
+            for error, n in sorted(c.failures_by_reason.items()):
+                failure.add_metric([*key, triton_failure_reason(error), error], n)
+            count.add_metric(key, c.inference_count)
+            execs.add_metric(key, c.execution_count)
+            request_us.add_metric(key, c.success.ns // 1000)
+            queue_us.add_metric(key, c.queue.ns // 1000)
+            compute_us.add_metric(key, c.compute.ns // 1000)
+            if c.batches:
+                sizes = {size: d.count for size, d in c.batches.items()}
+                total_rows = sum(size * n for size, n in sizes.items())
+                batch.add_metric(key, _cumulative(BATCH_SIZE_BUCKETS, batch_size_counts(sizes)), total_rows)
+        for (model, version), h in self._gw.latency.items():
+            latency.add_metric([model, version], _cumulative(self._gw.latency.bounds, h.counts), h.sum)
+        yield from (success, failure, count, execs, request_us, queue_us, compute_us, batch, latency)
+
+    def _queues(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count", "Requests waiting in the gateway's queue for a batch", labels=labels
+        )
+        depth = GaugeMetricFamily("infergate_queue_depth", "Requests queued in the gateway (same as the pending count)", labels=labels)
+        limit = GaugeMetricFamily("infergate_queue_capacity", "Most requests the model's queue holds", labels=labels)
+        inflight = GaugeMetricFamily("infergate_batches_inflight", "Batches sent to workers and not answered yet", labels=labels)
+        rejected = CounterMetricFamily(
+            "infergate_rejected_requests",
+            "Requests the gateway refused or dropped before sending them (queue_full, displaced, queue_timeout, deadline)",
+            labels=[*labels, "reason"],
+        )
+        for (model, version), b in sorted(self._gw.batchers().items()):
+            key = [model, version]
+            pending.add_metric(key, b.queue_depth())
+            depth.add_metric(key, b.queue_depth())
+            limit.add_metric(key, b.policy.max_queue_size)
+            inflight.add_metric(key, b.inflight_batches())
+            s = b.stats
+            for reason, n in (("queue_full", s.rejected_full), ("displaced", s.displaced),
+                              ("queue_timeout", s.timed_out), ("deadline", s.expired)):
+                rejected.add_metric([*key, reason], n)
+        yield from (pending, depth, limit, inflight, rejected)
+
+    def _workers(self) -> Iterator[Metric]:
+        label = ["worker"]
+        state = GaugeMetricFamily("infergate_worker_state", "1 for the worker's current state (READY, DOWN, DRAINING)",
+                                  labels=["worker", "state"])
+        inflight = GaugeMetricFamily("infergate_worker_inflight_batches", "Batches in flight on the worker", labels=label)
+        sent = CounterMetricFamily("infergate_worker_batches", "Batches sent to the worker", labels=label)
+        failures = CounterMetricFamily("infergate_worker_failures", "Batches that failed on the worker (any error)", labels=label)
+        retries = CounterMetricFamily("infergate_worker_retries", "Batches that failed on the worker and were retried elsewhere",
+                                      labels=label)
+        models = GaugeMetricFamily("infergate_worker_models", "Models the worker serves", labels=label)
+        by_address = {w.address: w for w in self._gw.cluster.workers()}
+        for w in self._gw.router.worker_stats():
+            for name in ("READY", "DOWN", "DRAINING"):
+                state.add_metric([w.address, name], 1 if w.state == name else 0)
+            inflight.add_metric([w.address], w.inflight)
+            sent.add_metric([w.address], w.sent)
+            failures.add_metric([w.address], w.failures)
+            retries.add_metric([w.address], w.retries)
+            ws = by_address.get(w.address)
+            models.add_metric([w.address], len(ws.models) if ws is not None else 0)
+        yield from (state, inflight, sent, failures, retries, models)
+
+    def _cluster(self) -> Iterator[Metric]:
+        replicas = GaugeMetricFamily("infergate_model_replicas", "READY workers serving the model", labels=["model"])
+        for name, info in sorted(self._gw.cluster.models().items()):
+            replicas.add_metric([name], len(info.replicas))
+        yield replicas
+        # Placement is optional: without it no model ever moves.
+        placement = getattr(self._gw, "placement", None)
+        yield CounterMetricFamily(
+            "infergate_placement_moves", "Models moved between workers by placement", value=getattr(placement, "moves", 0)
+        )
+
+
+def add_metrics_routes(app: web.Application, gateway: Gateway) -> None:
+    """Mount ``GET /metrics`` on the gateway's HTTP app (before the app is set up)."""
+    collectors: list[Collector] = [GatewayCollector(gateway), ProcessCollector(registry=None)]
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=render_text(collectors), headers={"Content-Type": CONTENT_TYPE})
+
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,12 @@
+"""Security of the gateway: who may call what, and over which channels.
+
+``api_keys`` owns the key store, per-key quotas and the access policy;
+``frontend_auth`` enforces it in the HTTP middleware and the gRPC
+interceptor; ``tls`` builds the TLS material of frontends and worker
+channels; ``setup`` puts the parts together from the config and the
+command line.
+
+May import: ``gateway.config``, ``gateway.fleet.worker_client``,
+``gateway.frontends.http_api`` (its error responses), ``protos``. Every call
+passes the access check before it reaches a frontend's handler.
+"""

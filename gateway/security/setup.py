@@ -1,0 +1,141 @@
+"""How the gateway process puts its security together: the command-line
+flags, the parts built from the config (key store, TLS contexts) and where
+they go (the HTTP app's middleware list, the gRPC server's interceptors and
+port, the worker clients' token and channel credentials).
+
+Nothing configured means nothing installed: no middleware, no interceptor,
+plain-text ports, as before. Keys live in ``gateway.security.api_keys``; TLS files in
+``gateway.security.tls``; the worker's side in ``workers.auth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from gateway.config import ConfigError, GatewayConfig, WorkerSpec
+from gateway.fleet.worker_client import WorkerClient
+from gateway.security.api_keys import KeyStore, load_key_store
+from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
+from gateway.security.tls import grpc_channel_credentials, grpc_server_credentials, server_ssl_context
+
+log = logging.getLogger(__name__)
+
+# The metadata key the gateway sends its worker token in, as "Bearer TOKEN".
+WORKER_TOKEN_HEADER = "authorization"
+
+_PATH_FLAGS = (
+    ("--api-key-file", "api_key_file", "API keys, one a line: KEY [MODEL,...] [rate=N/s] [burst=N] [name=LABEL]"),
+    ("--admin-key-file", "admin_key_file", "admin keys (KEY [name=LABEL] a line) for /metrics, /dashboard, "
+                                           "/v2/cluster and repository control"),
+    ("--tls-cert", "tls_cert", "PEM certificate (chain) for TLS on the HTTP and gRPC frontends"),
+    ("--tls-key", "tls_key", "PEM private key of --tls-cert"),
+    ("--worker-token-file", "worker_token_file", "shared token sent to the workers on every call"),
+    ("--worker-tls-ca", "worker_tls_ca", "PEM CA certificate that signed the workers' certificates (TLS to workers)"),
+    ("--worker-tls-cert", "worker_tls_cert", "PEM client certificate for mutual TLS to the workers"),
+    ("--worker-tls-key", "worker_tls_key", "PEM private key of --worker-tls-cert"),
+)
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (README: Security)")
+    for flag, dest, meaning in _PATH_FLAGS:
+        group.add_argument(flag, dest=dest, default=None, metavar="FILE", help=meaning)
+
+
+def security_overrides(args: argparse.Namespace) -> dict[str, str | None]:
+    """The flags as ``load_config`` overrides; paths made absolute here, as
+    relative paths in a config file are taken relative to that file."""
+    return {dest: str(Path(value).resolve()) if (value := getattr(args, dest, None)) else None
+            for _, dest, _ in _PATH_FLAGS}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySecurity:
+    """The frontends' security, built once from the config at start."""
+
+    keys: KeyStore | None = None
+    ssl_context: ssl.SSLContext | None = None
+    grpc_credentials: grpc.ServerCredentials | None = None
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> "GatewaySecurity":
+        """Read every key and certificate file now: a bad one stops the start (ConfigError)."""
+        keys = load_key_store(config)
+        if config.tls_cert:
+            context = server_ssl_context(config.tls_cert, config.tls_key)
+            credentials = grpc_server_credentials(config.tls_cert, config.tls_key)
+            return cls(keys, context, credentials)
+        if keys is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("API keys are on but TLS is off: keys cross the network in clear text (set --tls-cert)")
+        return cls(keys)
+
+    def grpc_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [GrpcAuthInterceptor(self.keys)] if self.keys is not None else []
+
+    def install_http(self, app: web.Application) -> None:
+        """Append the auth middleware (inside the error middleware); call before the app starts."""
+        if self.keys is not None:
+            app.middlewares.append(http_auth_middleware(self.keys))
+
+    def add_grpc_port(self, server: grpc.aio.Server, address: str) -> int:
+        """Bind ``address`` (TLS when configured); the bound port, 0 when binding failed."""
+        if self.grpc_credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.grpc_credentials)
+
+
+def _worker_token(config: GatewayConfig) -> str:
+    if config.worker_token:
+        return config.worker_token
+    if not config.worker_token_file:
+        return ""
+    try:
+        token = Path(config.worker_token_file).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the worker token file {config.worker_token_file}: {exc}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"worker token file {config.worker_token_file} must hold one token without white space")
+    return token
+
+
+def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], WorkerClient]:
+    """Makes each worker's client with the token (infergate workers only: a
+    Triton server has no use for it) and the TLS credentials, when configured."""
+    token = _worker_token(config)
+    credentials = None
+    if config.worker_tls_ca or config.worker_tls_cert:
+        credentials = grpc_channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
+
+    def make(spec: WorkerSpec) -> WorkerClient:
+        headers: dict[str, Any] = dict(spec.headers)
+        if token and spec.kind == "infergate":
+            headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
+        return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials)
+
+    return make
+
+
+def local_worker_token(workdir: Path, config: GatewayConfig) -> Path:
+    """The token file ``infergate up`` gives its workers and its gateway: the
+    configured one, else a file in ``workdir`` (readable by this user only)
+    holding the token from the environment or a fresh random one."""
+    if config.worker_token_file:
+        _worker_token(config)  # checks the file now, before any worker starts
+        return Path(config.worker_token_file)
+    path = workdir / "worker.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write((config.worker_token or secrets.token_urlsafe(32)) + "\n")
+    return path
+

@@ -1,0 +1,7 @@
+"""The ``infergate`` command: one entry point for every process and tool.
+
+``infergate.cli`` dispatches a subcommand to the package that owns it
+(gateway, workers, splitter, batchjobs, loadtest, models), importing only
+that package, lazily. It is the one module allowed to name both ``gateway``
+and ``workers``.
+"""

@@ -1,0 +1,7 @@
+"""What every infergate server process shares, so the gateway and the worker
+never import each other: the Prometheus text format (``prometheus``) and the
+process plumbing of a long-running server (``process``: logging set-up, the
+event loop policy, atomic ready files).
+
+May import: the standard library and third-party packages only.
+"""

@@ -1,0 +1,98 @@
+"""Tests for gateway/routing/retry_budget.py (the budget, the jittered backoff) and for
+the router's use of them: retries cannot amplify an outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from gateway.routing.retry_budget import Backoff, RetryBudget, RetrySettings
+from gateway.routing.router import Router
+from protos.errors import Unavailable
+from tests.unit.gateway.routing.test_router import started
+
+
+def test_budget_is_a_share_of_active_calls_with_a_floor() -> None:
+    budget = RetryBudget(budget_percent=20.0, min_concurrency=3)
+    assert budget.limit() == 3  # no calls: the floor
+    for _ in range(100):
+        budget.call_started()
+    assert budget.limit() == 20
+    granted = sum(budget.try_acquire() for _ in range(50))
+    assert granted == 20
+    counters = budget.counters()
+    assert (counters.active, counters.extra_inflight, counters.granted, counters.denied) == (100, 20, 20, 30)
+    budget.release()
+    assert budget.try_acquire()  # a finished retry frees its token
+    assert not budget.try_acquire()
+    for _ in range(100):
+        budget.call_finished()
+    assert budget.limit() == 3
+
+
+def test_budget_release_without_a_token_is_a_bug() -> None:
+    budget = RetryBudget()
+    with pytest.raises(RuntimeError):
+        budget.release()
+
+
+def test_backoff_is_fully_jittered_exponential_and_capped() -> None:
+    backoff = Backoff(base_s=0.025, max_s=0.25, rng=random.Random(7))
+    assert [backoff.ceiling_s(n) for n in (0, 1, 2, 3, 4, 5, 10, 1000)] == [
+        0.0, 0.025, 0.05, 0.1, 0.2, 0.25, 0.25, 0.25,
+    ]
+    for retry in (1, 2, 3, 6):
+        delays = [backoff.delay_s(retry) for _ in range(500)]
+        ceiling = backoff.ceiling_s(retry)
+        assert all(0 <= d < ceiling for d in delays)
+        # Spread over the whole range, not clustered at its end: callers that failed together scatter.
+        assert min(delays) < ceiling * 0.1 and max(delays) > ceiling * 0.9
+    assert Backoff(0.0, 0.0).delay_s(3) == 0.0
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="retry_budget_percent"):
+        RetrySettings(budget_percent=120)
+    with pytest.raises(ValueError, match="retry_backoff_base_s"):
+        RetrySettings(backoff_base_s=1.0, backoff_max_s=0.5)
+
+
+async def test_outage_retries_are_bounded_by_the_budget() -> None:
+    """Every replica fails: 40 concurrent calls make at most 40 first attempts plus
+    the budget's retries, not 40 x (1 + retry_limit)."""
+    cluster, fleet = await started("a:1", "b:1")
+    budget = RetryBudget(budget_percent=20.0, min_concurrency=2)
+    router = Router(cluster, max_inflight_per_replica=100, retry_limit=3, retry_backoff_s=0.001,
+                    retry_backoff_max_s=0.001, retry_budget=budget)
+    release = asyncio.Event()
+
+    async def slow_failure(*args: object, **kwargs: object) -> None:
+        await release.wait()
+        raise Unavailable("model not ready")
+
+    calls = {"n": 0}
+    for fake in fleet.by_address.values():
+        def infer(request: object, timeout_s: object = None, _fake=fake) -> object:  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            return slow_failure()
+        fake.infer = infer  # type: ignore[method-assign]
+    try:
+        tasks = [asyncio.create_task(router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None))
+                 for _ in range(40)]
+        while calls["n"] < 40:
+            await asyncio.sleep(0)
+        release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, Unavailable) for r in results)
+        assert sum("retries are limited" in str(r) for r in results) > 0
+        # 40 first attempts; retries at most the budget's share of the 40 calls at any time (8),
+        # each retry attempt failing before the next may start.
+        assert 40 < calls["n"] <= 40 + 8 * 4
+        assert budget.counters().extra_inflight == 0 and budget.counters().active == 0
+        assert all(w.inflight == 0 for w in cluster.workers())
+    finally:
+        await cluster.stop()

@@ -1,0 +1,171 @@
+"""The house's shape, read from the source with ``ast``: no import circles, the
+gateway and the worker never import each other, the offline packages import
+no server, and no module outgrows one concept.
+
+Every import counts, including those under ``TYPE_CHECKING`` and inside
+functions: a circle hidden from the interpreter is still a circle for a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("infergate", "gateway", "workers", "splitter", "batchjobs", "serverkit", "protos", "loadtest", "models")
+MAX_LINES = 450
+# Who may not import whom (importer package -> forbidden packages).
+FORBIDDEN = {
+    "gateway": {"workers", "loadtest", "batchjobs"},
+    "workers": {"gateway", "splitter", "loadtest", "batchjobs"},
+    "splitter": {"gateway", "workers", "loadtest", "batchjobs"},
+    "batchjobs": {"gateway", "workers", "splitter"},
+    "loadtest": {"gateway", "workers", "splitter", "batchjobs"},
+    "serverkit": {"gateway", "workers", "splitter", "loadtest", "batchjobs"},
+    "protos": {"gateway", "workers", "splitter", "loadtest", "batchjobs", "serverkit"},
+    "models": {"gateway", "workers", "splitter", "loadtest", "batchjobs"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            modules[_module_name(path)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that ``name`` imports (the leaf module of each import)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:
+                    found.add(sub)
+                elif target in known:
+                    found.add(target)
+    found.discard(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    known = set(modules)
+    return {name: imports_of(name, path, known) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_cycle_finder_finds_a_planted_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_relative_imports_resolve(tmp_path: Path) -> None:
+    known = {"pkg.a", "pkg.sub.b", "pkg.sub"}
+    path = tmp_path / "b.py"
+    path.write_text("from .. import a\nfrom . import b\nfrom ..sub.b import x\n")
+    assert imports_of("pkg.sub.c", path, known) == {"pkg.a", "pkg.sub.b"}
+
+
+def test_no_import_circles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_what_they_may(package: str) -> None:
+    bad = []
+    for name, targets in import_graph().items():
+        if name.split(".")[0] != package:
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] in FORBIDDEN[package]:
+                bad.append(f"{name} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_stay_small() -> None:
+    big = []
+    for name, path in project_modules().items():
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            big.append(f"{name}: {lines} lines")
+    assert not big, f"modules over {MAX_LINES} lines:\n" + "\n".join(big)
+
+
+def test_test_files_stay_small() -> None:
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in sorted((ROOT / "tests").rglob("test_*.py"))
+           if (n := len(p.read_text().splitlines())) > 500]
+    assert not big, "test files over 500 lines:\n" + "\n".join(big)
+
+
+def test_every_package_says_what_it_owns() -> None:
+    missing = []
+    for package in PACKAGES:
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            if not doc or len(doc) < 40:
+                missing.append(str(init.relative_to(ROOT)))
+    assert not missing, "packages without an opening docstring:\n" + "\n".join(missing)
