@@ -9,6 +9,8 @@ status codes coming back from workers map into the same classes through
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 
@@ -44,10 +46,15 @@ class AlreadyExists(InferGateError):
 
 
 class Unavailable(InferGateError):
-    """No healthy replica, model not ready, server shutting down."""
+    """No healthy replica, model not ready, server shutting down: try again later.
+
+    Every one carries a retry hint (HTTP Retry-After, gRPC trailing metadata;
+    see :func:`retry_metadata`), so a client backs off instead of giving up.
+    """
 
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
+    retry_after_s: float = 1.0
 
 
 class Overloaded(Unavailable):
@@ -133,6 +140,20 @@ _BY_GRPC_CODE: dict[grpc.StatusCode, type[InferGateError]] = {
     grpc.StatusCode.UNIMPLEMENTED: Unsupported,
     grpc.StatusCode.INTERNAL: Internal,
 }
+
+
+def retry_metadata(error: InferGateError) -> tuple[tuple[str, str], ...]:
+    """gRPC trailing metadata with the retry hint of ``error`` (``Unavailable``, ``QuotaExceeded``); () for others.
+
+    ``retry-after`` is in whole seconds, as HTTP's Retry-After header, so both
+    frontends say the same; ``grpc-retry-pushback-ms`` is what a gRPC client
+    with a retry policy waits before its next attempt.
+    """
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if retry_after_s is None:
+        return ()
+    seconds = max(1, math.ceil(retry_after_s))
+    return (("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(max(1, round(retry_after_s * 1000)))))
 
 
 def from_grpc_code(code: grpc.StatusCode, message: str) -> InferGateError:

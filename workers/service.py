@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from protos.errors import InferGateError, Internal, InvalidArgument
+from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
 from workers.manager import ModelManager
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
             error = _as_error(exc, handler.__name__)
         finally:
             self._exit()
-        await context.abort(error.grpc_code, error.message)
+        # A refusal (the model's queue is full) carries its retry hint, as the gateway's do.
+        await context.abort(error.grpc_code, error.message, trailing_metadata=retry_metadata(error))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper

@@ -9,7 +9,8 @@ retries elsewhere and that lets it mark the worker down at once. Three answers
 of a live Triton server get classes of their own, still ``Unavailable`` (the
 code passes through unchanged): :class:`RestrictedProtocol` (a protocol group
 its headers do not unlock), :class:`ModelNotReady` (a model unloading) and
-:class:`ModelControlDisabled` (no explicit model control, so no load or unload).
+:class:`ModelControlDisabled` (no explicit model control, so no load or unload);
+a worker whose queue is full answers :class:`WorkerBusy`, an ``Overloaded``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from protos.errors import InferGateError, Unavailable, from_grpc_code
+from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ class WorkerUnreachable(Unavailable):
     """The call did not reach the worker, or its connection broke: retryable."""
 
 
+class WorkerBusy(Overloaded):
+    """The worker refused the call for now: its queue for the model is full
+    (a refusal with a retry hint, or Triton's "Exceeds maximum queue size").
+    Retryable on another replica, and no fault of the worker."""
+
+
 class RestrictedProtocol(Unavailable):
     """The worker refused a protocol group that the headers sent do not unlock
     (Triton's ``--grpc-restricted-protocol``): the worker is up, the call is not allowed."""
@@ -55,6 +62,19 @@ class ModelNotReady(Unavailable):
 class ModelControlDisabled(Unavailable):
     """The worker does not load or unload models on request (a Triton server
     without ``--model-control-mode=explicit``); it serves what it loaded at start."""
+
+
+def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
+    """The retry hint a worker sent with a refusal (``grpc-retry-pushback-ms`` or ``retry-after``), if any."""
+    trailing = dict(e.trailing_metadata() or ())
+    try:
+        if "grpc-retry-pushback-ms" in trailing:
+            return max(0.001, int(trailing["grpc-retry-pushback-ms"]) / 1000)
+        if "retry-after" in trailing:
+            return max(0.001, float(trailing["retry-after"]))
+    except (TypeError, ValueError):
+        pass  # a malformed hint is no hint
+    return None
 
 
 class WorkerClient:
@@ -144,6 +164,9 @@ class WorkerClient:
             # Triton answers each of these with UNAVAILABLE on a live connection,
             # like a server that is not ready; only its message tells them apart.
             lowered = details.lower()
+            hint = _retry_after_s(e)
+            if hint is not None or "exceeds maximum queue size" in lowered:
+                return WorkerBusy(details, retry_after_s=hint or 1.0)
             if "protocol is restricted" in lowered:
                 return RestrictedProtocol(details)
             if "load / unload is not allowed" in lowered:

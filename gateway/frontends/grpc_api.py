@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -30,7 +29,7 @@ from gateway.frontends.grpc_wire import (
     param_value,
 )
 from gateway.types import InferenceCore, InferRequest
-from protos.errors import Cancelled, InferGateError, Internal, Overloaded, QuotaExceeded, Unsupported
+from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
 
 _log = logging.getLogger(__name__)
 
@@ -54,11 +53,8 @@ def _as_error(exc: Exception, request_id: str = "") -> InferGateError:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request_id: str = "") -> NoReturn:
     """End the RPC with the status of ``exc`` (raises, as ``context.abort`` does)."""
     err = _as_error(exc, request_id)
-    trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(err, (Overloaded, QuotaExceeded)):
-        # Whole seconds, as HTTP's Retry-After, so both frontends say the same.
-        trailing = (("retry-after", str(max(1, math.ceil(err.retry_after_s)))),)
-    await context.abort(err.grpc_code, err.message, trailing_metadata=trailing)
+    # A refusal (a full queue, a spent quota) carries its retry hint, as HTTP's Retry-After.
+    await context.abort(err.grpc_code, err.message, trailing_metadata=retry_metadata(err))
     raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
 

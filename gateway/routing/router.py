@@ -13,7 +13,8 @@ Failures: ``Unavailable`` answers and transport failures are retried -- the
 whole batch, on a replica not tried yet when there is one -- after a small
 jittered backoff, at most ``retry_limit`` times and never past the deadline.
 A worker whose connection failed is marked DOWN at once; the cluster's probe
-brings it back. ``ModelNotFound`` or ``ModelNotReady`` from a replica the
+brings it back. A worker that refuses because its queue is full
+(``WorkerBusy``) is retried elsewhere too, but is not charged a failure. ``ModelNotFound`` or ``ModelNotReady`` from a replica the
 model map lists means that replica dropped the model (unloaded, or a Triton
 server shutting down, which unloads before it exits): it leaves the model's
 rotation and the batch goes to another replica, or, with none left, the error
@@ -42,7 +43,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.seams import Clock, LoopClock
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
-from gateway.fleet.worker_client import ModelNotReady, WorkerUnreachable
+from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
 from gateway.routing.hedging import AttemptPolicy, HedgeSettings, LatencyTracker
 from gateway.routing.outlier import OutlierDetector
@@ -228,6 +229,9 @@ class Router:
             slot_taken()
         try:
             return await worker.client.infer(request, timeout_s)
+        except WorkerBusy as e:
+            # A full queue is load, not a sick worker: another replica may have room.
+            raise AttemptFailed(e, worker_fault=False) from None
         except Unavailable as e:
             worker.failures += 1
             if isinstance(e, WorkerUnreachable):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from aiohttp import hdrs, web
 
 from gateway.frontends.http_api import error_response
 from gateway.security.api_keys import Access, KeyStore
-from protos.errors import InferGateError, QuotaExceeded, Unauthenticated
+from protos.errors import InferGateError, Unauthenticated, retry_metadata
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +156,7 @@ def _check(store: KeyStore, access: Access, model_field: str | None, request: An
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: InferGateError) -> None:
-    trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(err, QuotaExceeded):
-        trailing = (("retry-after", str(max(1, math.ceil(err.retry_after_s)))),)
-    await context.abort(err.grpc_code, err.message, trailing_metadata=trailing)
+    await context.abort(err.grpc_code, err.message, trailing_metadata=retry_metadata(err))
 
 
 class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):

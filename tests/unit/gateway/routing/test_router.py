@@ -13,7 +13,8 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster, WorkerStatus
-from gateway.fleet.worker_client import WorkerClient, WorkerUnreachable
+from gateway.fleet.worker_client import WorkerBusy, WorkerClient, WorkerUnreachable
+from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
 from gateway.routing.router import Router
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from tests.unit.gateway.fleet.test_cluster import FakeFleet, make_cluster
@@ -200,6 +201,25 @@ async def test_retry_unavailable_on_another_replica() -> None:
         assert a.state is WorkerStatus.READY
         stats = {s.address: s for s in router.worker_stats()}
         assert stats["a:1"].failures == 1 and stats["b:1"].sent == 1
+    finally:
+        await cluster.stop()
+
+
+async def test_a_busy_replica_is_retried_elsewhere_and_not_charged() -> None:
+    cluster, fleet = await started("a:1", "b:1")
+    outliers = OutlierDetector(OutlierSettings(max_ejection_percent=100.0))
+    router = Router(cluster, retry_backoff_s=0.0, outliers=outliers)
+    a, b = cluster.workers()
+    fleet["a:1"].infer_results = [WorkerBusy("Exceeds maximum queue size for model 'm' (8 waiting)")] * 20
+    try:
+        b.inflight = 1  # makes `a` the first choice
+        for _ in range(10):  # more than enough consecutive failures to eject a sick worker
+            assert (await router.infer("m", "", request(), None)).id == "b:1"
+        b.inflight = 0
+        assert len(fleet["a:1"].infer_calls) == 10
+        # A full queue is load, not a fault: a keeps a clean record and stays in rotation.
+        assert a.failures == 0 and a.state is WorkerStatus.READY
+        assert outliers.state("a:1") is CircuitState.CLOSED
     finally:
         await cluster.stop()
 
@@ -398,6 +418,28 @@ async def test_worker_client_error_mapping(
         assert type(error) is expected
         assert "boom" in str(error)
         assert client._metadata == (("triton-access-token", "t"),)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("details", "trailing", "retry_after_s"),
+    [
+        ("queue is full", (("retry-after", "2"),), 2.0),
+        ("queue is full", (("grpc-retry-pushback-ms", "250"), ("retry-after", "1")), 0.25),
+        ("Exceeds maximum queue size for model 'm' (8 waiting)", (), 1.0),  # Triton's words, no hint
+    ],
+)
+async def test_worker_client_maps_a_refusal_with_a_hint_to_busy(
+    details: str, trailing: tuple[tuple[str, str], ...], retry_after_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = WorkerClient("127.0.0.1:1")
+    monkeypatch.setattr(client, "connected", lambda: True)
+    try:
+        metadata = grpc.aio.Metadata(*trailing)
+        error = client._map_error(grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), metadata, details=details))
+        assert type(error) is WorkerBusy and error.retry_after_s == retry_after_s
     finally:
         await client.close()
 
