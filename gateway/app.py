@@ -34,11 +34,17 @@ from gateway.observability.cluster_api import add_cluster_routes
 from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
+from serverkit.grpc_server import BURST_OPTIONS
 from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+# Connections waiting to be accepted. aiohttp's default (128) overflows when
+# thousands of clients connect at once: their connects are dropped and retried
+# after a second or more. The kernel caps it at net.core.somaxconn (4096 on
+# current kernels), as it does gRPC's listener, which asks for somaxconn.
+HTTP_LISTEN_BACKLOG = 65535
 # On shutdown, once every request is answered: time left to write the answers out.
 _ANSWER_FLUSH_S = 1.0
 
@@ -122,6 +128,8 @@ async def start_gateway(
         ("grpc.max_receive_message_length", min(GRPC_MAX_MESSAGE_BYTES, config.max_request_bytes)),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        # Every call of a burst reaches the handlers, which serve it or refuse it with a retry hint.
+        *BURST_OPTIONS,
     ])
     frontend = add_grpc_services(grpc_server, gateway)
     # Workers started with --gateway register here (protos/cluster.proto).
@@ -141,7 +149,8 @@ async def start_gateway(
     add_dashboard_routes(app)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_grace_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=False, ssl_context=security.ssl_context)
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=False, ssl_context=security.ssl_context,
+                       backlog=HTTP_LISTEN_BACKLOG)
     await site.start()
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)

@@ -1,7 +1,8 @@
 """What every infergate server process shares, so the gateway and the worker
-never import each other: the Prometheus text format (``prometheus``) and the
+never import each other: the Prometheus text format (``prometheus``), the
 process plumbing of a long-running server (``process``: logging set-up, the
-event loop policy, atomic ready files).
+event loop policy, atomic ready files) and the gRPC server settings that let
+a server take a burst of calls (``grpc_server``).
 
 May import: the standard library and third-party packages only.
 """

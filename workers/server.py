@@ -39,6 +39,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from protos.errors import InferGateError
 from serverkit import process
+from serverkit.grpc_server import BURST_OPTIONS
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
 from workers.backends.base import BackendOptions, backend_names, create_backend
@@ -163,6 +164,8 @@ async def serve(args: argparse.Namespace) -> int:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # Without this, a second worker on the same fixed port would silently share it.
             ("grpc.so_reuseport", 0),
+            # Every call of a burst reaches the handlers: served, or refused while the model's queue is full.
+            *BURST_OPTIONS,
         ]
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
