@@ -35,7 +35,7 @@ BURST = 3000
 BIG_BURST = 10_000
 # Through every burst of the module, one after another, the gateway's resident memory stays
 # within this much of its idle size at start: bounded, and nothing accumulates from burst to
-# burst (measured on 2 cores: peaks about +45 MB over 3,000-call bursts, +140 MB over 10,000).
+# burst (measured on 2 cores: peaks about +45 MB over 3,000-call bursts, up to +200 MB over 10,000).
 RSS_GROWTH_BOUND_MB = 128.0
 BIG_RSS_GROWTH_BOUND_MB = 320.0
 # A small queue, so that a burst of 3,000 is partly refused even where the workers are fast.
