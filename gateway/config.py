@@ -85,10 +85,11 @@ class GatewayConfig:
     # Batching defaults for every model; per-model keys in `models` win.
     batching_mode: str = "adaptive"
     max_queue_size: int = 1024
-    max_inflight_per_replica: int = 2
-    # A replica with this many batches in flight is busy: adaptive batching sends
-    # at once only to a replica below it, and lets batches grow while all are at it.
-    busy_inflight_per_replica: int = 1
+    # Batches in flight per replica. Busy: adaptive batching sends at once only to
+    # a replica below it, and lets batches grow while all are at it. 0 (default) =
+    # from the replica: its execution slots for the model (busy), plus one (max).
+    max_inflight_per_replica: int = 0
+    busy_inflight_per_replica: int = 0
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
     default_timeout_s: float = 60.0
@@ -321,10 +322,12 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 def _validate(config: GatewayConfig) -> None:
     if config.batching_mode not in BATCHING_MODES:
         raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
-    for key in ("max_queue_size", "max_inflight_per_replica", "busy_inflight_per_replica", "probe_failures_to_down",
-                "max_request_bytes"):
+    for key in ("max_queue_size", "probe_failures_to_down", "max_request_bytes"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
+    for key in ("max_inflight_per_replica", "busy_inflight_per_replica"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = from the replica's execution slots), got {getattr(config, key)}")
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")

@@ -1,6 +1,7 @@
 """Builds the example model repository: ONNX graphs plus Triton ``config.pbtxt``.
 
-Owns the four example models (``simple``, ``mlp``, ``cnn``, ``encoder``), their
+Owns the four example models (``simple``, ``mlp``, ``cnn``, ``encoder``), the
+benchmark's compute-bound ``cnn_large`` (``--bench``, built only on request), their
 weights (seeded, so every build writes the same bytes) and the
 ``infergate models build|list [DIR]`` subcommand. Each model's ``config.pbtxt``
 is derived from its ONNX graph signature, so the two cannot disagree.
@@ -153,10 +154,25 @@ _CNN_LAYERS: tuple[tuple[int, bool], ...] = ((32, True), (64, False), (64, True)
 
 def build_cnn() -> onnx.ModelProto:
     """3x32x32 image -> 3x3 conv stack with max-pools -> global average pool -> FC -> softmax."""
-    g = GraphBuilder("cnn", seed=2)
+    return _conv_net("cnn", _CNN_LAYERS, seed=2)
+
+
+# The bench's compute-bound model: the same shape of network, wider, at about
+# 1 GFLOP an image (about 5 ms of one core); built only for the
+# bench (`infergate models build --bench DIR`), so `make install` stays fast.
+_CNN_LARGE_LAYERS: tuple[tuple[int, bool], ...] = ((64, False), (128, False), (128, True), (256, False), (256, True), (256, False))
+
+
+def build_cnn_large() -> onnx.ModelProto:
+    """``cnn`` widened to 64..256 channels: compute-bound at several ms a row on one core."""
+    return _conv_net("cnn_large", _CNN_LARGE_LAYERS, seed=4)
+
+
+def _conv_net(name: str, layers: tuple[tuple[int, bool], ...], seed: int) -> onnx.ModelProto:
+    g = GraphBuilder(name, seed=seed)
     x = g.input("IMAGE", TensorProto.FLOAT, ["batch", 3, 32, 32])
     channels = 3
-    for i, (out_channels, pool) in enumerate(_CNN_LAYERS):
+    for i, (out_channels, pool) in enumerate(layers):
         weight = g.random(f"conv{i}.weight", (out_channels, channels, 3, 3), std=math.sqrt(2.0 / (channels * 9)))
         bias = g.random(f"conv{i}.bias", (out_channels,), std=0.05)
         x = g.op("Relu", g.op("Conv", x, weight, bias, out=f"conv{i}.out", kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
@@ -234,6 +250,10 @@ EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True),
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
 )
+# Built only on request (`--bench`): models for the benchmark suite, not the examples.
+BENCH_MODELS: tuple[ExampleModel, ...] = (
+    ExampleModel("cnn_large", build_cnn_large, max_batch_size=32, dynamic_batching=True),
+)
 
 
 def _config_dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
@@ -266,8 +286,8 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
         )
     if example.dynamic_batching:
         config.dynamic_batching.SetInParent()
-    # KIND_AUTO: a GPU when one is usable, else the CPU, for Triton and our workers alike.
-    config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    # No instance_group: the server decides -- one instance per GPU, or on the CPU
+    # as many as keep every core busy (our worker; see workers/backends/onnx.py).
     return config
 
 
@@ -281,11 +301,11 @@ def _write_if_changed(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def build_repository(path: str | Path) -> list[str]:
-    """Writes ``<path>/<name>/config.pbtxt`` and ``<path>/<name>/1/model.onnx`` for each example model."""
+def build_repository(path: str | Path, models: tuple[ExampleModel, ...] = EXAMPLE_MODELS) -> list[str]:
+    """Writes ``<path>/<name>/config.pbtxt`` and ``<path>/<name>/1/model.onnx`` for each of ``models``."""
     root = Path(path)
     names: list[str] = []
-    for example in EXAMPLE_MODELS:
+    for example in models:
         model = example.build()
         config = CONFIG_HEADER + text_format.MessageToString(model_config(example, model))
         _write_if_changed(root / example.name / "1" / "model.onnx", model.SerializeToString())
@@ -314,6 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions.required = True
     build = actions.add_parser("build", help="write the example models (ONNX + config.pbtxt)")
     build.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR, help="repository root (default: %(default)s)")
+    build.add_argument("--bench", action="store_true", help="build the benchmark's models (cnn_large) instead of the examples")
     listing = actions.add_parser("list", help="show the models of a repository and their signatures")
     listing.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR, help="repository root (default: %(default)s)")
 
@@ -321,7 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     directory: Path = args.directory
     if args.action == "build":
-        for name in build_repository(directory):
+        for name in build_repository(directory, BENCH_MODELS if args.bench else EXAMPLE_MODELS):
             print(f"built {directory / name}")
         return 0
     if not directory.is_dir():

@@ -34,6 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
+from protos.execution_slots import set_execution_slots
 from workers.backends.base import Backend, ModelInstance, Placement
 from workers.model import LoadedModel
 from workers.repository import (
@@ -253,7 +254,11 @@ class ModelManager:
             raise InvalidArgument(f"model '{name}': max_batch_size must be >= 0")
         numbers = select_versions(config, available_versions(model_dir))
         config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
-        placements = resolve_instance_groups(config, self.backend.gpu_count())
+        placements = resolve_instance_groups(config, self.backend.gpu_count(), self.backend.cpu_instances)
+        # Tell the gateway how many batches of this model run at once here: one per
+        # instance, but never more than the backend's shared pool runs across models.
+        bound = self.backend.execution_threads
+        set_execution_slots(config, min(len(placements), bound) if bound > 0 else len(placements))
         created: dict[int, list[ModelInstance]] = {}
         try:
             for number in numbers:

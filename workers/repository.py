@@ -151,17 +151,17 @@ def select_versions(config: mc.ModelConfig, available: list[int]) -> list[int]:
     return available[-count:]
 
 
-def resolve_instance_groups(config: mc.ModelConfig, gpu_count: int) -> list[Placement]:
+def resolve_instance_groups(config: mc.ModelConfig, gpu_count: int, cpu_instances: int = 1) -> list[Placement]:
     """One placement per execution instance, and the config's groups rewritten to say so.
 
-    As in Triton: no ``instance_group`` means one instance per GPU (or one on the
-    CPU); ``KIND_AUTO`` is GPU when one is usable; ``KIND_GPU`` without ``gpus``
+    As in Triton: no ``instance_group`` means one instance per GPU (or, on the
+    CPU, ``cpu_instances``: the backend's choice for using every core); ``KIND_AUTO`` is GPU when one is usable; ``KIND_GPU`` without ``gpus``
     means every GPU. Unlike Triton, a ``KIND_GPU`` group on a machine (or with a
     ``--device cpu`` worker) without GPUs runs on the CPU, with a warning, so one
     repository serves on both.
     """
     if not config.instance_group:
-        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+        config.instance_group.add(count=1 if gpu_count else max(1, cpu_instances), kind=mc.ModelInstanceGroup.KIND_AUTO)
     placements: list[Placement] = []
     for index, group in enumerate(config.instance_group):
         if group.count < 0:

@@ -40,6 +40,7 @@ from gateway.config import WorkerSpec
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
 from gateway.fleet.worker_client import WorkerClient
 from protos.errors import InferGateError
+from protos.execution_slots import execution_slots
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class WorkerModel:
     versions: tuple[str, ...]
     config: model_config_pb2.ModelConfig
     metadata: service_pb2.ModelMetadataResponse
+    # Batches of this model the worker executes at once (protos.execution_slots).
+    slots: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -341,7 +344,8 @@ class Cluster:
                 continue
             config, metadata = detail
             versions = {v for n, v in index if n == name and v} or set(metadata.versions)
-            models[name] = WorkerModel(name, tuple(sorted(versions, key=version_key)), config, metadata)
+            models[name] = WorkerModel(
+                name, tuple(sorted(versions, key=version_key)), config, metadata, execution_slots(config))
         return index, models
 
     def _lookup_names(self) -> set[str]:

@@ -169,6 +169,8 @@ def cluster_view(gateway: Gateway, devices: DeviceMonitor) -> dict[str, Any]:
             "state": w.state.name.lower(),
             "devices": devices.devices(w.address),
             "models": sorted(w.models),
+            # Batches of each model the worker executes at once (its served config).
+            "execution_slots": {name: w.models[name].slots for name in sorted(w.models)},
             "load": {
                 "inflight_batches": counters.inflight if counters else w.inflight,
                 "batches_sent": counters.sent if counters else w.sent,

@@ -261,7 +261,9 @@ class ParallelModels:
         digests = {name: hashlib.sha256(data).hexdigest()[:32] for name, data in files.items()}
         config, metadata = signature(spec, layout.plan, self._cluster.model(spec.source) if spec.source else None, repo_config)
         info = ModelInfo(spec.name, (VERSION,), config, metadata, ())
-        limit = spec.max_inflight or spec.replicas * self._config.max_inflight_per_replica * spec.pipeline_parallel
+        # Derived per replica (0): one batch executing and one waiting per shard group.
+        per_replica = self._config.max_inflight_per_replica or 2
+        limit = spec.max_inflight or spec.replicas * per_replica * spec.pipeline_parallel
         served = ServedModel(spec, layout, needed_outputs(layout.plan), files, digests, info, limit)
         if current is not None:
             served.placement = dict(current.placement)

@@ -1,13 +1,17 @@
 """The router: sends each batch to one healthy replica of its model.
 
-Choice: least outstanding batches among the READY replicas that are below
-``max_inflight_per_replica`` (with more than a handful of candidates, the
-better of two random ones: power of two choices). When every replica is at
-its bound the call waits, within the deadline, for a slot; the per-model
+Choice: least outstanding batches among the READY replicas below their
+in-flight bound (with more than a handful of candidates, the better of two
+random ones: power of two choices). When every replica is at its bound the
+call waits, within the deadline, for a slot; the per-model
 :class:`ModelCapacity` tells the batcher when to hold batches back instead:
-a replica is *idle* below ``busy_inflight_per_replica`` batches in flight
-(adaptive batching sends at once only then) and has *room* below
-``max_inflight_per_replica`` (where a busy replica still takes a full batch).
+a replica is *idle* while it has a free execution slot (adaptive batching
+sends at once only then) and has *room* up to one batch more than that (the
+waiting batch that hides the round trip; a busy replica still takes a full
+one). A replica's slots for a model are what its served config states
+(``WorkerModel.slots``: instances, or our worker's stated execution count);
+``busy_inflight_per_replica`` and ``max_inflight_per_replica`` fix the two
+bounds instead when set (0 = derived from the slots).
 
 Failures: ``Unavailable`` answers and transport failures are retried -- the
 whole batch, on a replica not tried yet when there is one -- after a small
@@ -90,18 +94,18 @@ class ModelCapacity:
         self.starting = 0
 
     def has_capacity(self) -> bool:
-        """Some replica is idle (below ``busy_inflight_per_replica``): a batch sent now starts at once."""
+        """Some replica has a free execution slot: a batch sent now starts at once."""
         replicas = self._router.cluster.healthy(self.model, self.version)
         if not replicas:
             return True
-        return self._router._free_slots(replicas, self._router.busy_inflight_per_replica) > self.starting
+        return self._router._free_slots(replicas, self.model, busy=True) > self.starting
 
     def has_room(self) -> bool:
-        """Some replica can take one more batch now (below ``max_inflight_per_replica``)."""
+        """Some replica can take one more batch now (its slots plus one waiting batch)."""
         replicas = self._router.cluster.healthy(self.model, self.version)
         if not replicas:
             return True
-        return self._router._free_slots(replicas, self._router.max_inflight_per_replica) > self.starting
+        return self._router._free_slots(replicas, self.model, busy=False) > self.starting
 
     async def wait(self) -> None:
         """Resolve when capacity may have become available (at once if it is)."""
@@ -131,8 +135,8 @@ class Router:
         self,
         cluster: Cluster,
         *,
-        max_inflight_per_replica: int = 4,
-        busy_inflight_per_replica: int = 1,
+        max_inflight_per_replica: int = 0,
+        busy_inflight_per_replica: int = 0,
         retry_limit: int = 3,
         retry_backoff_s: float = 0.025,
         retry_backoff_max_s: float = 0.25,
@@ -142,11 +146,14 @@ class Router:
         outliers: OutlierDetector | None = None,
         hedging: HedgeSettings | None = None,
     ) -> None:
-        if max_inflight_per_replica < 1 or busy_inflight_per_replica < 1:
-            raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be at least 1")
+        if max_inflight_per_replica < 0 or busy_inflight_per_replica < 0:
+            raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be >= 0 (0 = derived)")
         self.cluster = cluster
+        # 0 = derived per replica and model from its execution slots (see _limits).
         self.max_inflight_per_replica = max_inflight_per_replica
-        self.busy_inflight_per_replica = min(busy_inflight_per_replica, max_inflight_per_replica)
+        self.busy_inflight_per_replica = (
+            min(busy_inflight_per_replica, max_inflight_per_replica) if max_inflight_per_replica else busy_inflight_per_replica
+        )
         self.retry_limit = retry_limit
         self._backoff_s = retry_backoff_s
         self._backoff_max_s = retry_backoff_max_s
@@ -267,7 +274,7 @@ class Router:
             if not replicas:
                 which = f"model '{model}' version {version}" if version else f"model '{model}'"
                 raise Unavailable(f"no healthy replica of {which}")
-            worker = self._pick(replicas, tried)
+            worker = self._pick(replicas, model, tried)
             if worker is not None:
                 return worker
             remaining = self._remaining(deadline)
@@ -287,19 +294,39 @@ class Router:
         routable = self.outliers.routable
         return [w for w in pool if w.state is WorkerStatus.READY and routable(w.address)]
 
-    def _free_slots(self, replicas: Sequence[WorkerState], limit: int) -> int:
-        """Batches the usable replicas can take before each reaches ``limit`` in flight."""
+    def limits(self, worker: WorkerState, model: str) -> tuple[int, int]:
+        """(busy, max): batches of ``model`` in flight on ``worker`` at which it is busy, and full.
+
+        Busy at its execution slots (every execution running), full one batch
+        later (one waiting, so the next starts without a round trip), unless
+        the config fixes either bound. In flight counts the worker's batches of
+        every model: models on one worker share its cores (our worker's one pool).
+        """
+        served = worker.models.get(model)
+        busy = self.busy_inflight_per_replica or (served.slots if served is not None else 1)
+        most = self.max_inflight_per_replica or busy + 1
+        return min(busy, most), most
+
+    def _free_slots(self, replicas: Sequence[WorkerState], model: str, *, busy: bool) -> int:
+        """Batches the usable replicas can take before each is busy (or full)."""
         usable = self._usable(replicas) or [w for w in replicas if w.state is WorkerStatus.READY]
-        return sum(limit - w.inflight for w in usable if w.inflight < limit)
+        free = 0
+        for w in usable:
+            limit = self.limits(w, model)[0 if busy else 1]
+            if w.inflight < limit:
+                free += limit - w.inflight
+        return free
+
+    def _below_max(self, workers: Sequence[WorkerState], model: str) -> list[WorkerState]:
+        return [w for w in workers if w.inflight < self.limits(w, model)[1]]
 
     def _try_pick(self, model: str, version: str, avoid: set[WorkerState]) -> WorkerState | None:
         """A replica outside ``avoid`` with a free slot and a closed circuit, now or None (second attempts)."""
-        limit = self.max_inflight_per_replica
         pool = [w for w in self.cluster.healthy(model, version) if w not in avoid]
-        candidates = [w for w in self._usable(pool) if w.inflight < limit]
-        return self._least_loaded(candidates) if candidates else None
+        candidates = self._below_max(self._usable(pool), model)
+        return self._least_loaded(candidates, model) if candidates else None
 
-    def _pick(self, replicas: Sequence[WorkerState], tried: set[WorkerState]) -> WorkerState | None:
+    def _pick(self, replicas: Sequence[WorkerState], model: str, tried: set[WorkerState]) -> WorkerState | None:
         # A retry goes to a replica not tried yet while one is healthy, even if
         # it has to wait for its slot; tried ones are reused only when none is left.
         # Ejected replicas are skipped while any other can serve; with every
@@ -310,18 +337,23 @@ class Router:
             or (self._usable(replicas) if tried else [])
             or [w for w in replicas if w.state is WorkerStatus.READY]
         )
-        limit = self.max_inflight_per_replica
-        candidates = [w for w in usable if w.inflight < limit]
+        candidates = self._below_max(usable, model)
         if not candidates:
             return None
-        return self._least_loaded(candidates)
+        return self._least_loaded(candidates, model)
 
-    def _least_loaded(self, candidates: Sequence[WorkerState]) -> WorkerState:
+    def _least_loaded(self, candidates: Sequence[WorkerState], model: str) -> WorkerState:
+        # Load = batches in flight beyond the execution slots: a replica with more
+        # slots takes more batches before it counts as loaded as a smaller one.
+        def load(w: WorkerState) -> int:
+            return w.inflight - self.limits(w, model)[0]
+
         if len(candidates) > P2C_THRESHOLD:
             a, b = self._rng.sample(candidates, 2)
-            return a if a.inflight <= b.inflight else b
-        least = min(w.inflight for w in candidates)
-        best = [w for w in candidates if w.inflight == least]
+            return a if load(a) <= load(b) else b
+        loads = [load(w) for w in candidates]
+        least = min(loads)
+        best = [w for w, n in zip(candidates, loads) if n == least]
         # Random among equals so idle replicas share light load.
         return best[0] if len(best) == 1 else self._rng.choice(best)
 

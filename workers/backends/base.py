@@ -80,6 +80,13 @@ class Backend(Protocol):
     platform: str  # the config's ``platform`` value, e.g. "onnxruntime_onnx"
     default_model_filename: str
 
+    # Instances a model gets on the CPU when its config names no ``instance_group``:
+    # enough that one model alone keeps every core busy.
+    cpu_instances: int
+    # Executions that may run at once across all models of the process (a shared
+    # thread pool); 0 = no bound beyond the instances (each instance runs one).
+    execution_threads: int
+
     def gpu_count(self) -> int:
         """CUDA devices this backend can really use (0 when it runs on the CPU only)."""
         ...

@@ -108,6 +108,9 @@ class OnnxBackend:
         cores = cpu_count()
         self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device)
         self.execution_threads = options.execution_threads or max(1, cores // self.intra_op_threads)
+        # A model whose config names no instance group gets one instance per execution
+        # thread: alone on the worker it keeps every core busy (instances x intra-op = cores).
+        self.cpu_instances = self.execution_threads
         self.default_max_batch_size = int(options.extra.get("default_max_batch_size", DEFAULT_MAX_BATCH_SIZE))
         self.providers = [_CUDA, _CPU] if self.device == "cuda" else [_CPU]
         self._executor = ThreadPoolExecutor(max_workers=self.execution_threads, thread_name_prefix="onnx-exec")

@@ -207,6 +207,9 @@ class SimBackend:
     name = BACKEND_NAME
     platform = PLATFORM
     default_model_filename = DEFAULT_MODEL_FILENAME
+    # A simulated device runs one batch per instance at a time and waits on timers, not threads.
+    cpu_instances = 1
+    execution_threads = 0
 
     def __init__(self, options: BackendOptions, clock: Clock | None = None) -> None:
         self.settings = SimSettings.from_options(options.extra)

@@ -123,6 +123,26 @@ async def test_discovers_models_and_spreads_batches(
         await cluster.stop()
 
 
+async def test_each_replica_is_sent_as_many_batches_as_it_executes_at_once(workers: Workers) -> None:
+    # Three execution threads: a model with no instance group gets three instances, and
+    # the gateway, reading the served config, keeps three batches running plus one waiting.
+    wide, = workers.start(1, "--execution-threads", "3", "--intra-op-threads", "1")
+    narrow, = workers.start(1, "--execution-threads", "1", "--intra-op-threads", "1")
+    cluster = Cluster([WorkerSpec(worker_url(wide)), WorkerSpec(worker_url(narrow))], probe_interval_s=0.5)
+    await cluster.start()
+    router = Router(cluster)
+    try:
+        w, n = cluster.workers()
+        assert sum(g.count for g in w.models["cnn"].config.instance_group) == 3
+        assert (w.models["cnn"].slots, n.models["cnn"].slots) == (3, 1)
+        assert router.limits(w, "cnn") == (3, 4) and router.limits(n, "cnn") == (1, 2)
+        # The example configs name no instance group; simple's one is its CPU default too.
+        assert n.models["simple"].slots == 1
+    finally:
+        router.close()
+        await cluster.stop()
+
+
 class Stream:
     """Clients calling router.infer in a loop; every outcome is recorded, nothing is raised."""
 

@@ -24,10 +24,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.harness import Proc, start_worker, worker_url
+from workers.backends.onnx import default_intra_op_threads
+from workers.devices import cpu_count
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +125,13 @@ def test_model_metadata_and_config(client: grpcclient.InferenceServerClient) -> 
     assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [("HIDDEN", "FP32", [-1, -1, 64])]
     config = client.get_model_config("mlp").config
     assert config.max_batch_size == 64 and config.HasField("dynamic_batching")
-    assert config.instance_group[0].count == 1
+    # No instance group in the file: one CPU instance per execution thread (cores / intra-op
+    # threads), stated back as the model's execution slots for the gateway.
+    (group,) = config.instance_group
+    if group.kind == mc.ModelInstanceGroup.KIND_CPU:
+        threads = cpu_count() // default_intra_op_threads(cpu_count(), "cpu")
+        assert group.count == threads
+        assert config.parameters["execution_slots"].string_value == str(threads)
 
 
 # --- inference ------------------------------------------------------------------------------

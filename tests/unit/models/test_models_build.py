@@ -94,7 +94,7 @@ def test_config_fields(repo: Path, name: str) -> None:
     assert config.HasField("dynamic_batching") == dynamic
     assert [(t.name, t.data_type, list(t.dims)) for t in config.input] == inputs
     assert [(t.name, t.data_type, list(t.dims)) for t in config.output] == outputs
-    assert [(g.count, g.kind) for g in config.instance_group] == [(1, mc.ModelInstanceGroup.KIND_AUTO)]
+    assert not config.instance_group  # the server picks its instances
 
 
 @pytest.mark.parametrize("name", EXPECTED_NAMES)

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument
+from protos.execution_slots import PARAMETER, execution_slots
 from workers.backends.base import Placement
 from workers.manager import ModelManager
 from workers.repository import ModelRepository
@@ -60,7 +61,9 @@ class FakeBackend:
     platform = "fake"
     default_model_filename = "model.bin"
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_instances: int = 1, execution_threads: int = 0) -> None:
+        self.cpu_instances = cpu_instances
+        self.execution_threads = execution_threads
         self.instances: list[FakeInstance] = []
         self.gate = asyncio.Event()
         self.gate.set()
@@ -188,6 +191,31 @@ async def test_instance_count_sets_concurrency(tmp_path: Path) -> None:
     assert backend.peak == 3 and len(backend.instances) == 3
     await manager.close()
     assert all(i.closed for i in backend.instances)
+
+
+@pytest.mark.parametrize(
+    ("count", "cpu_instances", "execution_threads", "instances", "slots"),
+    [
+        (3, 1, 0, 3, 3),  # the config's count; no shared pool: every instance runs
+        (3, 1, 2, 3, 2),  # a pool of two threads runs two at once, whatever the instances
+        (0, 4, 4, 4, 4),  # no instance_group: the backend's per-core default
+    ],
+)
+async def test_served_config_states_the_execution_slots(
+    tmp_path: Path, count: int, cpu_instances: int, execution_threads: int, instances: int, slots: int
+) -> None:
+    repo = make_repo(tmp_path, count=max(count, 1))
+    if count == 0:
+        config = (repo / "m" / "config.pbtxt").read_text()
+        (repo / "m" / "config.pbtxt").write_text(config.replace("instance_group { count: 1 kind: KIND_CPU }", ""))
+    backend = FakeBackend(cpu_instances, execution_threads)
+    manager = ModelManager(ModelRepository(repo), backend, staging_root=tmp_path / "s")
+    await manager.load("m")
+    config = manager.get("m").config
+    assert sum(g.count for g in config.instance_group) == instances == len(backend.instances)
+    assert config.parameters[PARAMETER].string_value == str(slots)
+    assert execution_slots(config) == slots
+    await manager.close()
 
 
 async def test_unload_waits_for_in_flight_requests_then_releases(setup: tuple[ModelManager, FakeBackend]) -> None:

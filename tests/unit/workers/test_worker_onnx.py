@@ -141,6 +141,8 @@ def test_auto_device_and_thread_defaults() -> None:
         assert auto.device == expected
         assert auto.providers[-1] == "CPUExecutionProvider"
         assert auto.intra_op_threads >= 1 and auto.execution_threads >= 1
+        # A model with no instance group fills the pool: alone, it uses every core.
+        assert auto.cpu_instances == auto.execution_threads
         assert "CPUExecutionProvider" in auto.describe()
     finally:
         auto.close()

@@ -120,7 +120,7 @@ async def test_both_attempts_answering_still_gives_one_response() -> None:
 
 async def test_retry_goes_beside_a_hung_attempt_when_the_other_replica_fails() -> None:
     cluster, fleet = await started("a:1", "b:1", "c:1")
-    router = Router(cluster, hedging=FAST_HANG, retry_backoff_s=0.0)
+    router = Router(cluster, max_inflight_per_replica=4, hedging=FAST_HANG, retry_backoff_s=0.0)
     router.latency.observe("m", 0.001)
     fleet["a:1"].hold = asyncio.Event()
     fleet["b:1"].infer_results = [Unavailable("model not ready")]

@@ -183,7 +183,7 @@ async def test_router_skips_ejected_replicas_and_panics_when_all_are() -> None:
         answers = {(await router.infer("m", "", _request("m"), None)).id for _ in range(6)}
         assert answers == {"c:1"}
         # c fills up: the batcher sees no capacity rather than ejected replicas taking work.
-        cluster.workers()[2].inflight = router.max_inflight_per_replica
+        cluster.workers()[2].inflight = router.limits(cluster.workers()[2], "m")[1]
         assert not router.capacity("m").has_capacity()
         cluster.workers()[2].inflight = 0
         # Every replica of "n" ejected is the same as none ejected: all serve (panic mode).

@@ -154,7 +154,7 @@ async def test_busy_bound_is_capped_by_the_inflight_bound() -> None:
     finally:
         await cluster.stop()
     with pytest.raises(ValueError):
-        Router(cluster, busy_inflight_per_replica=0)
+        Router(cluster, busy_inflight_per_replica=-1)
 
 
 async def test_a_call_not_yet_on_a_replica_counts_against_capacity() -> None:
