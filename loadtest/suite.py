@@ -9,7 +9,10 @@ stopped by it. Sections on this repository:
 - ``sim_check``: the simulated accelerator's latency model holds (A + n*B);
 - ``overhead``: what the gateway adds at low load, gRPC and HTTP;
 - ``batching``: batching off / fixed / adaptive against raw ONNX Runtime;
-- ``scale``: 1..32 simulated workers behind one gateway.
+- ``scale``: 1..32 simulated workers behind one gateway;
+- ``compute``: a compute-bound model through the gateway vs ONNX Runtime on every core;
+- ``ceiling``: a light model straight to the worker, through the gateway and
+  to a bare grpc.aio echo server (the Python ceiling), with CPU per request.
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -35,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from loadtest.suite_context import SuiteContext, SuiteSettings, describe_machine
+from loadtest.suite_machine import run_ceiling, run_compute
 from loadtest.suite_parallel import run_parallel
 from loadtest.suite_report import SectionResult, format_markdown, write_results
 from loadtest.suite_scale import run_scale, run_sim_check
@@ -51,6 +55,8 @@ _SECTIONS: dict[str, SectionRunner] = {
     "batching": run_batching,
     "scale": run_scale,
     "parallel": run_parallel,
+    "compute": run_compute,
+    "ceiling": run_ceiling,
 }
 
 

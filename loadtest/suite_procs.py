@@ -128,12 +128,15 @@ class ProcessGroup:
             self._services.remove(service)
         return service.stop()
 
-    def start(self, name: str, args: Sequence[str], timeout_s: float = START_TIMEOUT_S) -> Service:
-        return self.start_many([(name, args)], timeout_s)[0]
+    def start(self, name: str, args: Sequence[str], timeout_s: float = START_TIMEOUT_S, *,
+              module: str = "infergate") -> Service:
+        return self.start_many([(name, args)], timeout_s, module=module)[0]
 
-    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]], timeout_s: float = START_TIMEOUT_S) -> list[Service]:
-        """Start ``infergate ARGS --ready-file F`` for each spec at once, then wait for all to be ready."""
-        started = [self._spawn(name, args) for name, args in specs]
+    def start_many(self, specs: Sequence[tuple[str, Sequence[str]]], timeout_s: float = START_TIMEOUT_S, *,
+                   module: str = "infergate") -> list[Service]:
+        """Start ``python -m MODULE ARGS --ready-file F`` (``infergate`` by default) for each spec at once,
+        then wait for all to be ready."""
+        started = [self._spawn(name, args, module) for name, args in specs]
         deadline = time.monotonic() + timeout_s
         pending = list(started)
         while pending:
@@ -149,12 +152,12 @@ class ProcessGroup:
                 time.sleep(_POLL_S)  # polling a condition (the ready files), not standing in for one
         return started
 
-    def _spawn(self, name: str, args: Sequence[str]) -> Service:
+    def _spawn(self, name: str, args: Sequence[str], module: str) -> Service:
         # Never reuse a name: a stopped process may leave its ready file behind.
         index = next(self._counter)
         ready_path = self._workdir / f"{index}-{name}.ready.json"
         log_path = self._workdir / f"{index}-{name}.log"
-        cmd = [sys.executable, "-m", "infergate", *args, "--ready-file", str(ready_path)]
+        cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready_path)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(log_path, "wb") as log_file:
             popen = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

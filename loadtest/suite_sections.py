@@ -132,7 +132,8 @@ def run_batching(ctx: SuiteContext) -> SectionResult:
             "mean batch = the gateway's inference_count / execution_count over the measurement",
             ("raw ORT = session.run in one process at that batch (rounded), 1 intra-op thread like the worker's "
              f"instance, best of {CEILING_RUNS} runs with the suite's processes stopped: the model's own ceiling"),
-            "the worker has one instance per model; bench client, gateway and worker share the same cores",
+            ("the worker runs one instance per core (its default), so rows/s may pass one session's ceiling; "
+             "the compute section sets a model against every core; bench client, gateway and worker share the cores"),
         ),
         details={"levels": [dict(level_dict(lv), model=m, mode=mode) for m, mode, lv in measured],
                  "ceilings": [{"model": m, "batch": b, "rows_per_s": r} for (m, b), r in ceilings.items()]},

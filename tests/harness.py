@@ -65,8 +65,9 @@ def infergate_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "infergate", *args]
 
 
-def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Proc:
-    """Start ``infergate ARGS --ready-file F`` and wait until F appears."""
+def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S,
+          module: str = "infergate") -> Proc:
+    """Start ``infergate ARGS --ready-file F`` (or ``python -m MODULE ...``) and wait until F appears."""
     tmpdir = Path(tempfile.mkdtemp(prefix="infergate-test-"))
     ready_file = tmpdir / "ready.json"
     log_path = tmpdir / "process.log"
@@ -74,7 +75,7 @@ def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: floa
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    cmd = infergate_cmd(*args, "--ready-file", str(ready_file))
+    cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
     log = open(log_path, "wb")
     popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
