@@ -11,6 +11,10 @@ Runtime refuses the request while running it.
   past the vocabulary (``InvalidArgument`` from Gather); a longer sequence
   gets only ``MAX_SEQUENCE`` positions (ONNX Runtime rewrites that Gather
   into a Slice), which cannot be added to its tokens (``Fail`` from Add).
+- ``fill`` (no batching): ``SIZE`` INT64 [1] -> ``ZEROS`` FP32 [SIZE]. A size
+  no memory holds fails to allocate: the worker cannot tell that from a
+  server fault (INTERNAL), so the gateway's rule decides (the same failure on
+  a second replica is the request's fault).
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ ENCODER_CONFIG = """name: "encoder"
 max_batch_size: 8
 input [ { name: "TOKENS" data_type: TYPE_INT64 dims: [ -1 ] } ]
 output [ { name: "HIDDEN" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]
+"""
+
+
+FILL_CONFIG = """name: "fill"
+max_batch_size: 0
+input [ { name: "SIZE" data_type: TYPE_INT64 dims: [ 1 ] } ]
+output [ { name: "ZEROS" data_type: TYPE_FP32 dims: [ -1 ] } ]
 """
 
 
@@ -78,9 +89,20 @@ def encoder_model() -> onnx.ModelProto:
     return _model(graph)
 
 
+def fill_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["SIZE"], ["ZEROS"])], "fill",
+        [helper.make_tensor_value_info("SIZE", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("ZEROS", TensorProto.FLOAT, ["L"])],
+    )
+    return _model(graph)
+
+
 def write_repository(root: Path) -> Path:
-    """A Triton-layout repository with ``pair`` and ``encoder`` (version 1 each)."""
-    for name, model, config in (("pair", pair_model(), PAIR_CONFIG), ("encoder", encoder_model(), ENCODER_CONFIG)):
+    """A Triton-layout repository with ``pair``, ``encoder`` and ``fill`` (version 1 each)."""
+    models = (("pair", pair_model(), PAIR_CONFIG), ("encoder", encoder_model(), ENCODER_CONFIG),
+              ("fill", fill_model(), FILL_CONFIG))
+    for name, model, config in models:
         version = root / name / "1"
         version.mkdir(parents=True, exist_ok=True)
         onnx.save(model, str(version / "model.onnx"))

@@ -7,10 +7,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
 from protos.errors import Internal, InvalidArgument
-from tests.poison_models import MAX_SEQUENCE, encoder_model, pair_model
+from tests.poison_models import MAX_SEQUENCE, encoder_model, fill_model, pair_model
 from workers.backends.run_errors import classify_run_error, clean_message
 
 
@@ -22,17 +21,6 @@ def failure(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> Exception:
     with pytest.raises(Exception) as info:
         session(model).run(None, feeds)
     return info.value  # type: ignore[return-value]
-
-
-def fill_model() -> onnx.ModelProto:
-    graph = helper.make_graph(
-        [helper.make_node("ConstantOfShape", ["S"], ["Y"])], "fill",
-        [helper.make_tensor_value_info("S", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    return model
 
 
 def ones(*shape: int) -> np.ndarray:
@@ -58,7 +46,7 @@ def test_request_faults_are_invalid_argument_with_the_cause(model, feeds, cause)
 
 
 def test_memory_failure_is_the_servers_fault_with_its_cause() -> None:
-    error = classify_run_error(failure(fill_model(), {"S": np.array([1 << 45], np.int64)}))
+    error = classify_run_error(failure(fill_model(), {"SIZE": np.array([1 << 45], np.int64)}))
     assert isinstance(error, Internal)
     assert "Failed to allocate memory" in error.message and "bfc_arena" not in error.message
 
