@@ -392,7 +392,7 @@ async def test_worker_client_error_mapping(
     code: grpc.StatusCode, connected: bool, expected: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = WorkerClient("127.0.0.1:1", headers={"Triton-Access-Token": "t"})
-    monkeypatch.setattr(client, "connected", lambda: connected)
+    monkeypatch.setattr(client, "connected", lambda lane="data": connected)
     try:
         error = client._map_error(grpc.aio.AioRpcError(code, details="boom"))
         assert type(error) is expected
