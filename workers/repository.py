@@ -69,8 +69,18 @@ def config_datatype(datatype: str) -> int:
         raise InvalidArgument(f"unknown datatype {datatype!r}") from None
 
 
+# A model name is a directory name: at most NAME_MAX bytes on every common file system.
+MAX_MODEL_NAME_BYTES = 255
+
+
+def valid_model_name(name: str) -> bool:
+    return bool(_MODEL_NAME.match(name)) and name not in (".", "..") and len(name.encode()) <= MAX_MODEL_NAME_BYTES
+
+
 def check_model_name(name: str) -> None:
-    if not _MODEL_NAME.match(name) or name in (".", ".."):
+    if len(name.encode()) > MAX_MODEL_NAME_BYTES:
+        raise InvalidArgument(f"invalid model name {name[:32]!r}...: longer than {MAX_MODEL_NAME_BYTES} bytes")
+    if not valid_model_name(name):
         raise InvalidArgument(f"invalid model name {name!r}: use letters, digits, '_', '-' and '.'")
 
 
@@ -88,7 +98,7 @@ class ModelRepository:
 
     def model_dir(self, name: str) -> Path | None:
         """The directory of model ``name``, or None when the repository has none."""
-        if not _MODEL_NAME.match(name) or name in (".", ".."):
+        if not valid_model_name(name):
             return None
         path = self.root / name
         return path if path.is_dir() else None

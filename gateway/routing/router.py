@@ -18,7 +18,10 @@ brings it back. A worker that refuses because its queue is full
 model map lists means that replica dropped the model (unloaded, or a Triton
 server shutting down, which unloads before it exits): it leaves the model's
 rotation and the batch goes to another replica, or, with none left, the error
-goes back unchanged. Any other error passes through unchanged: inference is
+goes back unchanged. INTERNAL is a suspect: the worker's fault or the
+batch's, told apart by one confirming attempt on another replica (see
+``gateway.routing.attempts``). Any other error is the request's own and
+passes through unchanged, charged to no worker. Inference is
 idempotent, so a retry never answers a request twice, and the caller answers
 each request exactly once.
 
@@ -48,7 +51,7 @@ from gateway.routing.attempts import AttemptFailed, AttemptRace
 from gateway.routing.hedging import AttemptPolicy, HedgeSettings, LatencyTracker
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import Backoff, RetryBudget
-from protos.errors import DeadlineExceeded, InferGateError, ModelNotFound, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -246,9 +249,11 @@ class Router:
             if not any(w is not worker for w in self.cluster.healthy(model, version)):
                 raise
             raise AttemptFailed(e, worker_fault=False) from None
+        except Internal as e:
+            # The worker's fault or the batch's: a confirming attempt elsewhere tells (gateway.routing.attempts).
+            raise AttemptFailed(e, suspect=True) from None
         except InferGateError:
-            worker.failures += 1
-            raise
+            raise  # the request's own fault, or its deadline: nothing against the worker
         finally:
             worker.inflight -= 1
             self._slot_freed(worker)

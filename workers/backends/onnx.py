@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
 from workers.backends.base import BackendOptions, Placement
+from workers.backends.run_errors import classify_run_error
 from workers.devices import cpu_count, cuda_device_count
 
 logger = logging.getLogger(__name__)
@@ -81,9 +81,8 @@ class OnnxInstance:
             raise InvalidArgument("model instance was unloaded")
         try:
             values = session.run(output_names, dict(inputs))
-        except ort_errors.InvalidArgument as exc:
-            # Bad values the checks upstream cannot see (e.g. an index out of range).
-            raise InvalidArgument(f"onnx runtime error: {exc}") from None
+        except Exception as exc:  # ONNX Runtime's status exceptions: the request's fault or the server's
+            raise classify_run_error(exc) from None
         return dict(zip(output_names, values))
 
     def close(self) -> None:

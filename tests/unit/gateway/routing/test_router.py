@@ -252,7 +252,7 @@ async def test_non_retryable_error_passes_through() -> None:
         with pytest.raises(InvalidArgument, match="unexpected shape"):
             await router.infer("m", "", request(), None)
         assert len(fleet["b:1"].infer_calls) == 0
-        assert a.failures == 1 and a.retries == 0 and a.state is WorkerStatus.READY
+        assert a.failures == 0 and a.retries == 0 and a.state is WorkerStatus.READY  # the request's fault
         assert a.inflight == 0
     finally:
         await cluster.stop()
@@ -412,7 +412,7 @@ async def test_worker_client_error_mapping(
     code: grpc.StatusCode, connected: bool, expected: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = WorkerClient("127.0.0.1:1", headers={"Triton-Access-Token": "t"})
-    monkeypatch.setattr(client, "connected", lambda: connected)
+    monkeypatch.setattr(client, "connected", lambda lane="data": connected)
     try:
         error = client._map_error(grpc.aio.AioRpcError(code, details="boom"))
         assert type(error) is expected
@@ -434,7 +434,7 @@ async def test_worker_client_maps_a_refusal_with_a_hint_to_busy(
     details: str, trailing: tuple[tuple[str, str], ...], retry_after_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = WorkerClient("127.0.0.1:1")
-    monkeypatch.setattr(client, "connected", lambda: True)
+    monkeypatch.setattr(client, "connected", lambda lane="data": True)
     try:
         metadata = grpc.aio.Metadata(*trailing)
         error = client._map_error(grpc.aio.AioRpcError(
