@@ -49,7 +49,8 @@ def _as_error(exc: Exception, what: str) -> InferGateError:
     if isinstance(exc, InferGateError):
         return exc
     logger.exception("unexpected error in %s", what)
-    return Internal("internal error")
+    # The cause goes back to the gateway (and its client) in words; the traceback stays in the log.
+    return Internal(f"unexpected error in {what}: {type(exc).__name__}: {exc}")
 
 
 def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
