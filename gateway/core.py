@@ -37,7 +37,6 @@ from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFou
 log = logging.getLogger(__name__)
 
 EXTENSIONS = [
-    "classification_unsupported",
     "model_repository",
     "model_repository(unload_dependents)",
     "schedule_policy",

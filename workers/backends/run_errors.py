@@ -72,8 +72,11 @@ def is_request_fault(exc: BaseException) -> bool:
     """Whether ``exc``, raised by ``InferenceSession.run``, is the request's own fault."""
     if isinstance(exc, ort_errors.InvalidArgument):
         return True
-    if isinstance(exc, (ort_errors.Fail, ort_errors.RuntimeException)):
-        text = str(exc)
+    text = str(exc)
+    if isinstance(exc, ort_errors.RuntimeException):
+        # A kernel refusing a value (a string Cast to a number that is not one).
+        return not _SERVER_FAULT.search(text)
+    if isinstance(exc, ort_errors.Fail):
         return bool(_REQUEST_FAULT.search(text)) and not _SERVER_FAULT.search(text)
     return False
 
