@@ -102,7 +102,7 @@ class OnnxInstance:
         try:
             values = session.run(output_names, feeds)
         except Exception as exc:  # ONNX Runtime's status exceptions: the request's fault or the server's
-            raise classify_run_error(exc) from None
+            raise classify_run_error(exc, self._model) from None
         return dict(zip(output_names, values))
 
     def close(self) -> None:

@@ -81,12 +81,13 @@ def is_request_fault(exc: BaseException) -> bool:
     return False
 
 
-def classify_run_error(exc: Exception) -> InferGateError:
-    """The error a failed ``session.run`` answers with: INVALID_ARGUMENT or INTERNAL, with a cause."""
+def classify_run_error(exc: Exception, model: str = "") -> InferGateError:
+    """The error a failed ``session.run`` of ``model`` answers with: INVALID_ARGUMENT or INTERNAL, with a cause."""
     if isinstance(exc, InferGateError):
         return exc
     message = clean_message(str(exc)) or type(exc).__name__
+    whose = f"model '{model}': " if model else ""
     if is_request_fault(exc):
-        return InvalidArgument(f"onnx runtime error: {message}")
-    logger.error("model execution failed: %s: %s", type(exc).__name__, exc)
-    return Internal(f"onnx runtime failed to run the model: {message}")
+        return InvalidArgument(f"{whose}onnx runtime error: {message}")
+    logger.error("model %s execution failed: %s: %s", model, type(exc).__name__, exc)
+    return Internal(f"{whose}onnx runtime failed to run the model: {message}")
