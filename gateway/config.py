@@ -23,7 +23,8 @@ WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
-PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight")
+PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
+                 "input_shapes", "input_values")
 # Keys of a `models.<name>` entry for placement and lifecycle (gateway/fleet/placement.py):
 # replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
 PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")
@@ -293,7 +294,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             values[key] = str((base / values[key]).resolve())
     for name, settings in models.items():
         if settings.get("path"):
-            models[name] = {**settings, "path": str((base / str(settings["path"])).resolve())}
+            models[name] = settings = {**settings, "path": str((base / str(settings["path"])).resolve())}
+        if isinstance(settings.get("input_values"), Mapping):
+            resolved = {k: str((base / str(v)).resolve()) for k, v in settings["input_values"].items()}
+            models[name] = {**settings, "input_values": resolved}
     config = GatewayConfig(**values, **_secrets_from_env(), workers=tuple(_dedupe(workers)), models=models, extra=extra,
                            worker_dns=tuple(dict.fromkeys(worker_dns)))
     _validate(config)
