@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
+from gateway.fleet.readiness import unservable
 from gateway.frontends.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
@@ -95,6 +96,7 @@ class Gateway:
         self.latency = LatencyHistograms()
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
+        self._shutting_down = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -------------------------------------------------------
@@ -111,9 +113,14 @@ class Gateway:
             raise
         self._accepting = True
 
+    def begin_shutdown(self) -> None:
+        """Not ready from now on (requests already on their way are still served until ``stop``)."""
+        self._shutting_down = True
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop taking requests, let queued ones finish within the grace period, close."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self._shutting_down = True
         self._accepting = False
         batchers = list(self._batchers.values())
         self._batchers.clear()
@@ -265,9 +272,14 @@ class Gateway:
         return True
 
     def server_ready(self) -> bool:
-        if self.config.load_on_demand:  # models appear on request: ready while any worker is
-            return self._accepting and any(w.is_up for w in self.cluster.workers())
-        return self._accepting and any(True for _ in self.cluster.models())
+        """Up and not shutting down; with strict readiness, also nothing in :meth:`unservable`."""
+        if not self._accepting or self._shutting_down:
+            return False
+        return not self.config.strict_readiness or not self.unservable()
+
+    def unservable(self) -> dict[str, str]:
+        """What the gateway is asked to serve and cannot now (``gateway.fleet.readiness``)."""
+        return unservable(self.cluster, self.fleet.placement.book, self.parallel.index_entries())
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
         return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
@@ -312,7 +324,13 @@ class Gateway:
         index.models.extend(e for e in self.parallel.index_entries() if not ready_only or e.state == "READY")
         return index
 
+    def _check_model_control(self) -> None:
+        if self.config.model_control_mode != "explicit":
+            # Triton's words and code (UNAVAILABLE) for a server without explicit model control.
+            raise Unavailable("explicit model load / unload is not allowed if polling is enabled")
+
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
+        self._check_model_control()
         if self.parallel.serves(name):
             await self.parallel.load(name)  # re-split the source and push what changed
             return
@@ -320,6 +338,7 @@ class Gateway:
         await repository.load(self.cluster, name, parameters)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_model_control()
         if self.parallel.serves(name):
             await self.parallel.unload(name)
         else:

@@ -216,6 +216,9 @@ class ModelManager:
         async with self._locked(name, create=True) as entry:
             assert entry is not None
             staged: Path | None = None
+            # Until the model directory is in place, a failure is the request's (bad parameters,
+            # files that cannot be written): as in Triton, it leaves no state behind.
+            polled = False
             if config_json is None and not files and entry.versions and entry.override_config is not None:
                 config_json = entry.override_config  # a reload keeps the config it was loaded with
             try:
@@ -230,6 +233,7 @@ class ModelManager:
                     if found is None:
                         raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
                     model_dir = found
+                polled = True
                 if not entry.versions:
                     entry.state, entry.reason = ModelState.LOADING, ""
                 built = await asyncio.to_thread(self._build, name, model_dir, config_json)
@@ -239,7 +243,7 @@ class ModelManager:
                 if not entry.versions:
                     entry.state = ModelState.UNAVAILABLE
                     entry.reason = exc.message if isinstance(exc, InferGateError) else "load failed"
-                    if isinstance(exc, ModelNotFound):
+                    if isinstance(exc, ModelNotFound) or not polled:
                         self._forget(entry)
                 if isinstance(exc, InferGateError) and not isinstance(exc, ModelNotFound):
                     logger.error("load failed for model %s: %s", name, exc.message)
