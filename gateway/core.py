@@ -169,15 +169,19 @@ class Gateway:
             info = self.cluster.model(name)
             policy = BatchPolicy.from_model_config(
                 config,
-                {"max_queue_size": self.config.max_queue_size, **self.config.batching_settings(name)},
+                self.config.batching_settings(name),
                 default_mode=self.config.batching_mode,
+                # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
+                default_max_queue_size=self.config.max_queue_size,
                 # Triton servers run the config's dynamic batcher themselves.
                 backend_batches=info is not None and all(w.kind == "triton" for w in info.replicas),
             )
             batched = policy.max_batch_size > 0
+            # Under a queue timeout a batch never waits for a replica outside the batcher (see Batcher).
+            wait_for_slot = not policy.has_queue_timeouts
 
             async def dispatch(batch: list[InferRequest]) -> list[InferResponse]:
-                return await self._run_batch(name, version, batch, batched)
+                return await self._run_batch(name, version, batch, batched, wait_for_slot=wait_for_slot)
 
             capacity = self.parallel.capacity(name) if self.parallel.serves(name) else self.router.capacity(name, version)
             batcher = Batcher(f"{name}:{version}", policy, dispatch, capacity)
@@ -231,7 +235,9 @@ class Gateway:
         self.latency.observe(request.model, version, total_s)
         return response
 
-    async def _run_batch(self, name: str, version: str, batch: list[InferRequest], batched: bool) -> list[InferResponse]:
+    async def _run_batch(
+        self, name: str, version: str, batch: list[InferRequest], batched: bool, *, wait_for_slot: bool = True
+    ) -> list[InferResponse]:
         start = time.monotonic()
         for r in batch:
             r.dispatched = start
@@ -241,9 +247,11 @@ class Gateway:
         # The batch may live as long as its most patient member; members whose
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
-        sender = self.parallel if self.parallel.serves(name) else self.router
         try:
-            response = await sender.infer(name, version, pb, deadline)
+            if self.parallel.serves(name):
+                response = await self.parallel.infer(name, version, pb, deadline)
+            else:
+                response = await self.router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
         except (InvalidArgument, Internal):
             if len(batch) == 1:
                 raise
