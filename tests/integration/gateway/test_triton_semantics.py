@@ -224,8 +224,14 @@ def test_a_shutting_down_server_is_not_ready(repo: Path) -> None:
         assert _get(conn, "/v2/health/ready")[0] == 200
         assert readiness(gateway) == (True, True)
         outcome: list[object] = []
-        http_, grpc_ = clients(gateway)
-        running = threading.Thread(target=lambda: outcome.append(http_.infer("simple", simple_inputs(True))))
+        _, grpc_ = clients(gateway)
+
+        def infer() -> None:  # a client of its own: tritonclient's HTTP client stays on its thread
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['http_port']}")
+            outcome.append(client.infer("simple", simple_inputs(True)))
+            client.close()
+
+        running = threading.Thread(target=infer)
         running.start()
         metrics = http.client.HTTPConnection("127.0.0.1", gateway.ready["http_port"], timeout=30)
         _until(lambda: _worker_busy(metrics))
