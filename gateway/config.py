@@ -21,6 +21,7 @@ from gateway.routing.retry_budget import RetrySettings
 
 WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
+MODEL_CONTROL_MODES = ("none", "explicit")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
@@ -96,6 +97,12 @@ class GatewayConfig:
     retry_limit: int = 3
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
+    # Triton's --strict-readiness: ready only while every model the gateway is
+    # asked to serve is servable (False: ready whenever it is up).
+    strict_readiness: bool = True
+    # Triton's --model-control-mode: "explicit" lets clients load and unload
+    # models through the gateway; "none" refuses them (placement still loads).
+    model_control_mode: str = "explicit"
     # Reliability (gateway/routing/outlier.py, retry_budget.py, hedging.py, limits.py).
     # Outlier ejection: N consecutive failures or a latency outlier ejects a
     # worker for base * (its ejection count), at most max, and never more
@@ -223,7 +230,7 @@ def _coerce(key: str, value: Any) -> Any:
     default = getattr(GatewayConfig(), key)
     try:
         if isinstance(default, bool):
-            return bool(value)
+            return parse_bool(value)
         if isinstance(default, int):
             return int(value)
         if isinstance(default, float):
@@ -231,6 +238,18 @@ def _coerce(key: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"config key {key!r}: expected {type(default).__name__}, got {value!r}") from None
+
+
+def parse_bool(value: Any) -> bool:
+    """A boolean from YAML, a flag or the environment: true/false, yes/no, on/off, 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewayConfig:
@@ -325,6 +344,8 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 def _validate(config: GatewayConfig) -> None:
     if config.batching_mode not in BATCHING_MODES:
         raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
+    if config.model_control_mode not in MODEL_CONTROL_MODES:
+        raise ConfigError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {config.model_control_mode!r}")
     for key in ("max_queue_size", "max_inflight_per_replica", "busy_inflight_per_replica", "probe_failures_to_down",
                 "max_request_bytes"):
         if getattr(config, key) <= 0:

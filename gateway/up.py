@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.app import start_gateway, wait_for_signal
+from gateway.app import add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--no-worker-token", action="store_true",
                         help="start the workers without a shared token: anyone who can reach their ports may call them")
+    add_triton_arguments(parser)
     add_security_arguments(parser)
 
 
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, host=args.host, http_port=args.http_port,
                              grpc_port=args.grpc_port, batching_mode=args.batching_mode,
                              model_repository=str(Path(args.model_repository).resolve()),
-                             **security_overrides(args))
+                             **triton_overrides(args), **security_overrides(args))
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2

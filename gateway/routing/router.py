@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import service_pb2
 
-from gateway.batching.seams import Clock, LoopClock
+from gateway.batching.seams import Clock, LoopClock, NotSent
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
@@ -186,12 +186,23 @@ class Router:
         ]
 
     async def infer(
-        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
+        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None,
+        *, wait_for_slot: bool = True,
     ) -> service_pb2.ModelInferResponse:
         """Send ``request`` to a replica of ``model``; retries, hedges and hangs: ``gateway.routing.attempts``.
 
         ``deadline`` is absolute, on the event loop's clock; None means none.
+        ``wait_for_slot=False``: when no replica can start it at once (below
+        ``busy_inflight_per_replica``), raise ``NotSent`` instead of waiting
+        for a slot -- the batcher keeps its requests under their queue policy.
         """
+        first: WorkerState | None = None
+        if not wait_for_slot:
+            replicas = self.cluster.healthy(model, version)
+            if replicas:  # none at all: the race below fails fast with Unavailable
+                first = self._pick(replicas, set(), limit=self.busy_inflight_per_replica)
+                if first is None:
+                    raise NotSent(f"no replica of model '{model}' can start a batch now")
         capacity = self.capacity(model, version)
         capacity.starting += 1
         starting = True
@@ -202,9 +213,16 @@ class Router:
                 starting = False
                 capacity.starting -= 1
 
+        async def acquire(avoid: set[WorkerState]) -> WorkerState:
+            nonlocal first
+            if first is not None:  # picked above, with no await since: its slot is still free
+                worker, first = first, None
+                return worker
+            return await self._acquire(model, version, deadline, avoid)
+
         race: AttemptRace[WorkerState, service_pb2.ModelInferResponse] = AttemptRace(
             self.attempts, model, deadline,
-            acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
+            acquire=acquire,
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
             send=lambda worker: self._attempt(worker, model, version, request, deadline, slot_taken),
         )
@@ -304,7 +322,9 @@ class Router:
         candidates = [w for w in self._usable(pool) if w.inflight < limit]
         return self._least_loaded(candidates) if candidates else None
 
-    def _pick(self, replicas: Sequence[WorkerState], tried: set[WorkerState]) -> WorkerState | None:
+    def _pick(
+        self, replicas: Sequence[WorkerState], tried: set[WorkerState], *, limit: int | None = None
+    ) -> WorkerState | None:
         # A retry goes to a replica not tried yet while one is healthy, even if
         # it has to wait for its slot; tried ones are reused only when none is left.
         # Ejected replicas are skipped while any other can serve; with every
@@ -315,8 +335,8 @@ class Router:
             or (self._usable(replicas) if tried else [])
             or [w for w in replicas if w.state is WorkerStatus.READY]
         )
-        limit = self.max_inflight_per_replica
-        candidates = [w for w in usable if w.inflight < limit]
+        bound = self.max_inflight_per_replica if limit is None else limit
+        candidates = [w for w in usable if w.inflight < bound]
         if not candidates:
             return None
         return self._least_loaded(candidates)
