@@ -200,6 +200,9 @@ class NetSim:
                 burst = max(64 * 1024, rate_bit // 8 // 500)
                 tc("class", "add", "parent", "1:", "classid", "1:10", "htb", "rate", f"{rate_bit}bit",
                    "burst", str(burst), "cburst", str(burst))
+                # A queue of 10 ms of the rate, as a NIC's: the default (1000 GSO-sized packets,
+                # up to 64 MiB) would add seconds of queueing delay under a bulk transfer.
+                tc("qdisc", "add", "parent", "1:10", "handle", "10:", "bfifo", "limit", str(max(2**20, rate_bit // 800)))
             if host.blocked:
                 # A class whose queue holds no packet: whatever is classified there is dropped.
                 tc("class", "add", "parent", "1:", "classid", "1:99", "htb", "rate", "8kbit")
