@@ -93,6 +93,9 @@ class GatewayConfig:
     busy_inflight_per_replica: int = 1
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
+    # One probe's bound: a worker alive but unreachable (a cut link) is found only
+    # by it, after probe_failures_to_down of them.
+    probe_timeout_s: float = 5.0
     default_timeout_s: float = 60.0
     retry_limit: int = 3
     max_request_bytes: int = 256 * 2**20
@@ -353,8 +356,8 @@ def _validate(config: GatewayConfig) -> None:
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")
-    if config.probe_interval_s <= 0 or config.default_timeout_s <= 0:
-        raise ConfigError("probe_interval_s and default_timeout_s must be positive")
+    if config.probe_interval_s <= 0 or config.default_timeout_s <= 0 or config.probe_timeout_s <= 0:
+        raise ConfigError("probe_interval_s, probe_timeout_s and default_timeout_s must be positive")
     _validate_reliability(config)
     for cert, key in (("tls_cert", "tls_key"), ("worker_tls_cert", "worker_tls_key")):
         if bool(getattr(config, cert)) != bool(getattr(config, key)):

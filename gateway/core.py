@@ -65,6 +65,7 @@ class Gateway:
             config.workers,
             probe_interval_s=config.probe_interval_s,
             failures_to_down=config.probe_failures_to_down,
+            probe_timeout_s=config.probe_timeout_s,
             model_hints=tuple(config.models),
             # The worker token and TLS credentials, when configured.
             client_factory=worker_client_factory(config),

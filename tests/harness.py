@@ -65,8 +65,13 @@ def infergate_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "infergate", *args]
 
 
-def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Proc:
-    """Start ``infergate ARGS --ready-file F`` and wait until F appears."""
+def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S,
+          prefix: list[str] | None = None) -> Proc:
+    """Start ``infergate ARGS --ready-file F`` and wait until F appears.
+
+    ``prefix`` runs it through another command that execs it in place (e.g.
+    ``ip netns exec NS``), so the process started is still the one stopped.
+    """
     tmpdir = Path(tempfile.mkdtemp(prefix="infergate-test-"))
     ready_file = tmpdir / "ready.json"
     log_path = tmpdir / "process.log"
@@ -74,7 +79,7 @@ def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: floa
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    cmd = infergate_cmd(*args, "--ready-file", str(ready_file))
+    cmd = [*(prefix or ()), *infergate_cmd(*args, "--ready-file", str(ready_file))]
     log = open(log_path, "wb")
     popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
