@@ -10,7 +10,6 @@ repository holds ``simple``, ``versioned`` (only ``3/`` on disk, policy
 from __future__ import annotations
 
 import http.client
-import json
 import shutil
 import signal
 import threading
