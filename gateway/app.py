@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load_config, parse_bool
 from gateway.core import Gateway
 from gateway.fleet.drain import add_drain_routes
 from gateway.fleet.registry import add_registry_service
@@ -70,7 +70,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default batching mode for every model (default adaptive)")
     parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving")
     parser.add_argument("--log-level", default="INFO")
+    add_triton_arguments(parser)
     add_security_arguments(parser)
+
+
+def _bool_flag(text: str) -> bool:
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
+    """Triton's server flags of the same names (``infergate gateway`` and ``infergate up``)."""
+    parser.add_argument("--strict-readiness", type=_bool_flag, default=None, metavar="true|false",
+                        help="ready only while every model the gateway is asked to serve is servable "
+                             "(default true); false: ready whenever the gateway is up")
+    parser.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=None,
+                        help="explicit (default): clients may load and unload models through the gateway; "
+                             "none: such requests are refused (the gateway's own placement still loads)")
+
+
+def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -84,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         load_on_demand=args.load_on_demand,
         batching_mode=args.batching_mode,
         model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
+        **triton_overrides(args),
         **security_overrides(args),
     )
 
@@ -98,6 +121,7 @@ class RunningGateway:
     grpc_port: int
 
     async def stop(self, grace_s: float) -> None:
+        self.gateway.begin_shutdown()
         self.frontend.set_serving(False)
         # Close the listeners first so no new connection arrives, then drain.
         with suppress(Exception):

@@ -21,9 +21,11 @@ from gateway.routing.retry_budget import RetrySettings
 
 WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
+MODEL_CONTROL_MODES = ("none", "explicit")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
-PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight")
+PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
+                 "input_shapes", "input_values")
 # Keys of a `models.<name>` entry for placement and lifecycle (gateway/fleet/placement.py):
 # replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
 PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")
@@ -92,10 +94,19 @@ class GatewayConfig:
     busy_inflight_per_replica: int = 0
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
+    # One probe's bound: a worker alive but unreachable (a cut link) is found only
+    # by it, after probe_failures_to_down of them.
+    probe_timeout_s: float = 5.0
     default_timeout_s: float = 60.0
     retry_limit: int = 3
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
+    # Triton's --strict-readiness: ready only while every model the gateway is
+    # asked to serve is servable (False: ready whenever it is up).
+    strict_readiness: bool = True
+    # Triton's --model-control-mode: "explicit" lets clients load and unload
+    # models through the gateway; "none" refuses them (placement still loads).
+    model_control_mode: str = "explicit"
     # Reliability (gateway/routing/outlier.py, retry_budget.py, hedging.py, limits.py).
     # Outlier ejection: N consecutive failures or a latency outlier ejects a
     # worker for base * (its ejection count), at most max, and never more
@@ -223,7 +234,7 @@ def _coerce(key: str, value: Any) -> Any:
     default = getattr(GatewayConfig(), key)
     try:
         if isinstance(default, bool):
-            return bool(value)
+            return parse_bool(value)
         if isinstance(default, int):
             return int(value)
         if isinstance(default, float):
@@ -231,6 +242,18 @@ def _coerce(key: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"config key {key!r}: expected {type(default).__name__}, got {value!r}") from None
+
+
+def parse_bool(value: Any) -> bool:
+    """A boolean from YAML, a flag or the environment: true/false, yes/no, on/off, 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewayConfig:
@@ -294,7 +317,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             values[key] = str((base / values[key]).resolve())
     for name, settings in models.items():
         if settings.get("path"):
-            models[name] = {**settings, "path": str((base / str(settings["path"])).resolve())}
+            models[name] = settings = {**settings, "path": str((base / str(settings["path"])).resolve())}
+        if isinstance(settings.get("input_values"), Mapping):
+            resolved = {k: str((base / str(v)).resolve()) for k, v in settings["input_values"].items()}
+            models[name] = {**settings, "input_values": resolved}
     config = GatewayConfig(**values, **_secrets_from_env(), workers=tuple(_dedupe(workers)), models=models, extra=extra,
                            worker_dns=tuple(dict.fromkeys(worker_dns)))
     _validate(config)
@@ -322,6 +348,8 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 def _validate(config: GatewayConfig) -> None:
     if config.batching_mode not in BATCHING_MODES:
         raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
+    if config.model_control_mode not in MODEL_CONTROL_MODES:
+        raise ConfigError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {config.model_control_mode!r}")
     for key in ("max_queue_size", "probe_failures_to_down", "max_request_bytes"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
@@ -331,8 +359,8 @@ def _validate(config: GatewayConfig) -> None:
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")
-    if config.probe_interval_s <= 0 or config.default_timeout_s <= 0:
-        raise ConfigError("probe_interval_s and default_timeout_s must be positive")
+    if config.probe_interval_s <= 0 or config.default_timeout_s <= 0 or config.probe_timeout_s <= 0:
+        raise ConfigError("probe_interval_s, probe_timeout_s and default_timeout_s must be positive")
     _validate_reliability(config)
     for cert, key in (("tls_cert", "tls_key"), ("worker_tls_cert", "worker_tls_key")):
         if bool(getattr(config, cert)) != bool(getattr(config, key)):

@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
+from gateway.fleet.readiness import unservable
 from gateway.frontends.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
@@ -37,7 +38,6 @@ from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFou
 log = logging.getLogger(__name__)
 
 EXTENSIONS = [
-    "classification_unsupported",
     "model_repository",
     "model_repository(unload_dependents)",
     "schedule_policy",
@@ -65,6 +65,7 @@ class Gateway:
             config.workers,
             probe_interval_s=config.probe_interval_s,
             failures_to_down=config.probe_failures_to_down,
+            probe_timeout_s=config.probe_timeout_s,
             model_hints=tuple(config.models),
             # The worker token and TLS credentials, when configured.
             client_factory=worker_client_factory(config),
@@ -95,6 +96,7 @@ class Gateway:
         self.latency = LatencyHistograms()
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
+        self._shutting_down = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -------------------------------------------------------
@@ -111,9 +113,14 @@ class Gateway:
             raise
         self._accepting = True
 
+    def begin_shutdown(self) -> None:
+        """Not ready from now on (requests already on their way are still served until ``stop``)."""
+        self._shutting_down = True
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop taking requests, let queued ones finish within the grace period, close."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self._shutting_down = True
         self._accepting = False
         batchers = list(self._batchers.values())
         self._batchers.clear()
@@ -162,15 +169,19 @@ class Gateway:
             info = self.cluster.model(name)
             policy = BatchPolicy.from_model_config(
                 config,
-                {"max_queue_size": self.config.max_queue_size, **self.config.batching_settings(name)},
+                self.config.batching_settings(name),
                 default_mode=self.config.batching_mode,
+                # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
+                default_max_queue_size=self.config.max_queue_size,
                 # Triton servers run the config's dynamic batcher themselves.
                 backend_batches=info is not None and all(w.kind == "triton" for w in info.replicas),
             )
             batched = policy.max_batch_size > 0
+            # Under a queue timeout a batch never waits for a replica outside the batcher (see Batcher).
+            wait_for_slot = not policy.has_queue_timeouts
 
             async def dispatch(batch: list[InferRequest]) -> list[InferResponse]:
-                return await self._run_batch(name, version, batch, batched)
+                return await self._run_batch(name, version, batch, batched, wait_for_slot=wait_for_slot)
 
             capacity = self.parallel.capacity(name) if self.parallel.serves(name) else self.router.capacity(name, version)
             batcher = Batcher(f"{name}:{version}", policy, dispatch, capacity)
@@ -224,7 +235,9 @@ class Gateway:
         self.latency.observe(request.model, version, total_s)
         return response
 
-    async def _run_batch(self, name: str, version: str, batch: list[InferRequest], batched: bool) -> list[InferResponse]:
+    async def _run_batch(
+        self, name: str, version: str, batch: list[InferRequest], batched: bool, *, wait_for_slot: bool = True
+    ) -> list[InferResponse]:
         start = time.monotonic()
         for r in batch:
             r.dispatched = start
@@ -234,9 +247,11 @@ class Gateway:
         # The batch may live as long as its most patient member; members whose
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
-        sender = self.parallel if self.parallel.serves(name) else self.router
         try:
-            response = await sender.infer(name, version, pb, deadline)
+            if self.parallel.serves(name):
+                response = await self.parallel.infer(name, version, pb, deadline)
+            else:
+                response = await self.router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
         except (InvalidArgument, Internal):
             if len(batch) == 1:
                 raise
@@ -265,9 +280,14 @@ class Gateway:
         return True
 
     def server_ready(self) -> bool:
-        if self.config.load_on_demand:  # models appear on request: ready while any worker is
-            return self._accepting and any(w.is_up for w in self.cluster.workers())
-        return self._accepting and any(True for _ in self.cluster.models())
+        """Up and not shutting down; with strict readiness, also nothing in :meth:`unservable`."""
+        if not self._accepting or self._shutting_down:
+            return False
+        return not self.config.strict_readiness or not self.unservable()
+
+    def unservable(self) -> dict[str, str]:
+        """What the gateway is asked to serve and cannot now (``gateway.fleet.readiness``)."""
+        return unservable(self.cluster, self.fleet.placement.book, self.parallel.index_entries())
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
         return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
@@ -312,7 +332,13 @@ class Gateway:
         index.models.extend(e for e in self.parallel.index_entries() if not ready_only or e.state == "READY")
         return index
 
+    def _check_model_control(self) -> None:
+        if self.config.model_control_mode != "explicit":
+            # Triton's words and code (UNAVAILABLE) for a server without explicit model control.
+            raise Unavailable("explicit model load / unload is not allowed if polling is enabled")
+
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
+        self._check_model_control()
         if self.parallel.serves(name):
             await self.parallel.load(name)  # re-split the source and push what changed
             return
@@ -320,6 +346,7 @@ class Gateway:
         await repository.load(self.cluster, name, parameters)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_model_control()
         if self.parallel.serves(name):
             await self.parallel.unload(name)
         else:

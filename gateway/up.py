@@ -19,14 +19,15 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.app import start_gateway, wait_for_signal
+from gateway.app import add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
-from gateway.fleet.cluster import Cluster
+from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
 from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
 
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--no-worker-token", action="store_true",
                         help="start the workers without a shared token: anyone who can reach their ports may call them")
+    add_triton_arguments(parser)
     add_security_arguments(parser)
 
 
@@ -153,6 +155,35 @@ class LocalWorker:
             await proc.wait()
 
 
+# A JSON value for one element of each KServe datatype, for the banner's example request.
+_EXAMPLE_VALUE = {"BOOL": False, "BYTES": "text"}
+_PREFERRED_EXAMPLES = ("simple", "mlp")
+# Inputs larger than this many elements make a curl line too long to read; metadata is suggested instead.
+_MAX_EXAMPLE_ELEMENTS = 16
+
+
+def try_request(models: Mapping[str, ModelInfo], base_url: str) -> str:
+    """The banner's suggestion: an inference request for a model that is served.
+
+    A model with small inputs gets a ready-to-run ``curl`` of its ``/infer``
+    (dynamic dims as 1, zeros as data); a larger one its metadata. With no
+    model served, the repository index.
+    """
+    if not models:
+        return f"  no model is served yet; see the repository: curl -s -X POST {base_url}/v2/repository/index"
+    name = next((m for m in _PREFERRED_EXAMPLES if m in models), min(models))
+    inputs = []
+    for tensor in models[name].metadata.inputs:
+        shape = [d if d > 0 else 1 for d in tensor.shape]
+        count = math.prod(shape)
+        if count > _MAX_EXAMPLE_ELEMENTS:
+            return f"  try: curl -s {base_url}/v2/models/{name}"
+        value = _EXAMPLE_VALUE.get(tensor.datatype, 0)
+        inputs.append({"name": tensor.name, "shape": shape, "datatype": tensor.datatype, "data": [value] * count})
+    body = json.dumps({"inputs": inputs}, separators=(",", ":"))
+    return f"  try: curl -s -d '{body}' {base_url}/v2/models/{name}/infer"
+
+
 async def _registered(cluster: Cluster, addresses: list[str]) -> None:
     """Wait until every worker has registered and is up (polled, bounded)."""
     loop = asyncio.get_running_loop()
@@ -207,10 +238,11 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         }
         write_ready_file(args.ready_file, endpoints)
         host = config.host
+        local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         print(
             f"infergate is up: HTTP http://{host}:{running.http_port}  gRPC {host}:{running.grpc_port}  "
             f"workers: {', '.join(w.address for w in workers)}\n"
-            f"  try: curl -s http://{host}:{running.http_port}/v2/models/simple\n"
+            f"{try_request(running.gateway.cluster.models(), f'http://{local}:{running.http_port}')}\n"
             "  Ctrl-C stops everything.",
             flush=True,
         )
@@ -242,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, host=args.host, http_port=args.http_port,
                              grpc_port=args.grpc_port, batching_mode=args.batching_mode,
                              model_repository=str(Path(args.model_repository).resolve()),
-                             **security_overrides(args))
+                             **triton_overrides(args), **security_overrides(args))
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Builds the example model repository: ONNX graphs plus Triton ``config.pbtxt``.
 
-Owns the four example models (``simple``, ``mlp``, ``cnn``, ``encoder``), the
-benchmark's compute-bound ``cnn_large`` (``--bench``, built only on request), their
-weights (seeded, so every build writes the same bytes) and the
+Owns the example models (``simple``, ``mlp``, ``cnn``, ``encoder``, and the
+string models ``identity_string`` and ``string_to_int``), the benchmark's
+compute-bound ``cnn_large`` (``--bench``, built only on request), their weights
+(seeded, so every build writes the same bytes) and the
 ``infergate models build|list [DIR]`` subcommand. Each model's ``config.pbtxt``
 is derived from its ONNX graph signature, so the two cannot disagree.
 
@@ -45,6 +46,7 @@ D_FF = 256
 N_LAYERS = 2
 
 _TRITON_DTYPES: dict[int, int] = {
+    TensorProto.STRING: mc.TYPE_STRING,
     TensorProto.INT32: mc.TYPE_INT32,
     TensorProto.INT64: mc.TYPE_INT64,
     TensorProto.FLOAT: mc.TYPE_FP32,
@@ -234,6 +236,22 @@ def build_encoder() -> onnx.ModelProto:
     return g.model()
 
 
+def build_identity_string() -> onnx.ModelProto:
+    """Triton's string identity: OUTPUT0 = INPUT0, a 1-D STRING tensor of any length (no batching)."""
+    g = GraphBuilder("identity_string", seed=4)
+    g.op("Identity", g.input("INPUT0", TensorProto.STRING, ["n"]), out="OUTPUT0")
+    g.output("OUTPUT0", TensorProto.STRING, ["n"])
+    return g.model()
+
+
+def build_string_to_int() -> onnx.ModelProto:
+    """One decimal string per row parsed to INT64 by ``Cast``; a non-number is refused by ONNX Runtime."""
+    g = GraphBuilder("string_to_int", seed=5)
+    g.op("Cast", g.input("INPUT0", TensorProto.STRING, ["batch", 1]), out="OUTPUT0", to=TensorProto.INT64)
+    g.output("OUTPUT0", TensorProto.INT64, ["batch", 1])
+    return g.model()
+
+
 @dataclass(frozen=True, slots=True)
 class ExampleModel:
     """One entry of the example repository: its graph and batching settings."""
@@ -249,6 +267,8 @@ EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("mlp", build_mlp, max_batch_size=64, dynamic_batching=True),
     ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True),
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
+    ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
+    ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
 )
 # Built only on request (`--bench`): models for the benchmark suite, not the examples.
 BENCH_MODELS: tuple[ExampleModel, ...] = (

@@ -38,6 +38,8 @@ Buffer = bytes | bytearray | memoryview
 
 _U32 = struct.Struct("<I")
 _MAX_ELEMENT_BYTES = 0xFFFFFFFF
+# Triton sizes tensors in int64: a shape whose byte size passes it is refused.
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 class CodecError(InvalidArgument):
@@ -250,12 +252,24 @@ def encode(arr: np.ndarray) -> tuple[str, list[int], bytes]:
 
 
 def validate_raw(
-    datatype: str, shape: Sequence[int], raw: Buffer, *, name: str | None = None, role: str = "input"
+    datatype: str,
+    shape: Sequence[int],
+    raw: Buffer,
+    *,
+    name: str | None = None,
+    role: str = "input",
+    model: str | None = None,
 ) -> None:
-    """Check that ``raw`` is exactly a ``datatype`` tensor of ``shape``."""
+    """Check that ``raw`` is exactly a ``datatype`` tensor of ``shape``.
+
+    A wrong size is worded as Triton words it ("input byte size mismatch for
+    input 'X' for model 'M'. Expected N, got M"), then the tensor's datatype
+    and shape.
+    """
     _check_datatype(datatype)
     count = element_count(shape)
     what = _label(name, role)
+    for_model = f" for model '{model}'" if model else ""
     if datatype == "BYTES":
         mv = _bytes_view(raw)
         end = _walk_bytes(mv, 0, count, what)
@@ -265,13 +279,27 @@ def validate_raw(
             )
         return
     size = _ITEMSIZE[datatype] * count
+    if size > MAX_TENSOR_BYTES:
+        raise CodecError(
+            f"byte size overflow for {what}{for_model}: {datatype} {_fmt_shape(shape)} would take {size} bytes, "
+            f"more than the {MAX_TENSOR_BYTES} a tensor may hold"
+        )
     got = memoryview(raw).nbytes
     if got != size:
-        raise CodecError(f"{what}: expected {size} bytes for {datatype} {_fmt_shape(shape)}, got {got}")
+        raise CodecError(
+            f"{role + ' ' if name is not None else ''}byte size mismatch for {what}{for_model}. Expected {size}, got {got} "
+            f"({datatype} {_fmt_shape(shape)} takes {size} bytes)"
+        )
 
 
 def decode(
-    datatype: str, shape: Sequence[int], raw: Buffer, *, name: str | None = None, role: str = "input"
+    datatype: str,
+    shape: Sequence[int],
+    raw: Buffer,
+    *,
+    name: str | None = None,
+    role: str = "input",
+    model: str | None = None,
 ) -> np.ndarray:
     """Array of ``shape`` over ``raw`` (read-only, zero-copy for fixed-size types)."""
     _check_datatype(datatype)
@@ -282,7 +310,7 @@ def decode(
             return deserialize_bytes_tensor(raw, count).reshape(dims)
         except CodecError as exc:
             raise CodecError(f"{_label(name, role)}: {exc.message}") from None
-    validate_raw(datatype, dims, raw, name=name, role=role)
+    validate_raw(datatype, dims, raw, name=name, role=role, model=model)
     return np.frombuffer(raw, dtype=numpy_dtype(datatype)).reshape(dims)
 
 

@@ -5,6 +5,12 @@ bytes back to a flat ``data`` list for JSON responses.
 Built on the codec (``protos.codec``: datatypes, BYTES encoding); values are
 checked strictly: wrong JSON types and out-of-range integers raise
 :class:`~protos.codec.CodecError`.
+
+Nesting, as in Triton: ``data`` may be flat or nested lists of any shape
+(only the element count must match the tensor's shape, in row-major order)
+up to :data:`MAX_JSON_DEPTH` levels of lists, ``data`` itself counting as
+one; deeper nesting is refused in Triton's words. Rectangular lists up to
+numpy's 32 dimensions take numpy's fast path; the rest are flattened here.
 """
 
 from __future__ import annotations
@@ -27,12 +33,44 @@ from protos.codec import (
 )
 
 
-def _flatten(data: Any, out: list[Any]) -> None:
-    for item in data:
-        if isinstance(item, list):
-            _flatten(item, out)
-        else:
-            out.append(item)
+MAX_JSON_DEPTH = 100
+DEPTH_MESSAGE = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
+_NUMPY_MAX_DIMS = 32
+
+
+def _flatten(data: list[Any], what: str) -> list[Any]:
+    """The leaves of nested lists in row-major order; at most MAX_JSON_DEPTH levels."""
+    out: list[Any] = []
+    # Iterative, so no depth of client input can reach Python's recursion limit.
+    stack: list[tuple[list[Any], int, int]] = [(data, 0, 1)]
+    while stack:
+        items, index, depth = stack.pop()
+        while index < len(items):
+            item = items[index]
+            index += 1
+            if isinstance(item, list):
+                if depth + 1 > MAX_JSON_DEPTH:
+                    raise CodecError(f"{what}: {DEPTH_MESSAGE}")
+                stack.append((items, index, depth))
+                items, index, depth = item, 0, depth + 1
+            else:
+                out.append(item)
+    return out
+
+
+def _first_branch_depth(data: list[Any]) -> int:
+    depth = 1
+    while data and isinstance(data[0], list) and depth <= _NUMPY_MAX_DIMS:
+        data = data[0]
+        depth += 1
+    return depth
+
+
+def _count_error(what: str, datatype: str, shape: Sequence[int], count: int, got: int) -> CodecError:
+    return CodecError(
+        f"Failed to parse 'data' field: shape does not match true shape of 'data' field for {what}: "
+        f"expected {count} elements for {datatype} {_fmt_shape(shape)}, got {got}"
+    )
 
 
 def json_to_raw(
@@ -49,21 +87,25 @@ def json_to_raw(
     if not isinstance(data, list):
         raise CodecError(f"{what}: 'data' must be a list, got {type(data).__name__}")
     if datatype == "BYTES":
-        flat: list[Any] = []
-        _flatten(data, flat)
+        flat = _flatten(data, what)
         if len(flat) != count:
-            raise CodecError(f"{what}: expected {count} elements for BYTES {_fmt_shape(shape)}, got {len(flat)}")
+            raise _count_error(what, datatype, shape, count, len(flat))
         for index, item in enumerate(flat):
             if not isinstance(item, (str, bytes)):
                 raise CodecError(f"{what}: BYTES element {index} must be a string, got {type(item).__name__}")
         return _serialize_items(flat)
     target = numpy_dtype(datatype)
-    try:
+    arr = None
+    if _first_branch_depth(data) <= _NUMPY_MAX_DIMS:
+        try:
+            arr = np.array(data)
+        except ValueError:  # ragged: flattened below
+            arr = None
+    if arr is None or arr.dtype == np.object_:
+        data = _flatten(data, what)
         arr = np.array(data)
-    except ValueError:
-        raise CodecError(f"{what}: 'data' is a ragged nested list; give a flat or rectangular list") from None
     if arr.size != count:
-        raise CodecError(f"{what}: expected {count} elements for {datatype} {_fmt_shape(shape)}, got {arr.size}")
+        raise _count_error(what, datatype, shape, count, arr.size)
     if count == 0:
         return b""
     kind = arr.dtype.kind

@@ -11,6 +11,7 @@ collectives do arithmetic on them.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from protos.errors import InferGateError
 from splitter.plan import Boundary, Collective, Plan, Shard, gather_pieces
 from splitter.probe import cpu_session
 
@@ -62,7 +64,7 @@ class PlanExecutor:
                 except KeyError as exc:
                     raise ValueError(f"plan {self.plan.model!r}: shard {shard.name!r} input {exc} is not available") from exc
                 calls.append(self._run_shard(shard, feeds))
-            results = await _all(calls)
+            results = await _all(calls, [shard.rank for shard in segment.shards])
             for shard, outputs in zip(segment.shards, results):
                 local[shard.rank].update(outputs)
             for boundary in segment.boundaries:
@@ -76,9 +78,15 @@ class PlanExecutor:
         return {spec.name: shared[spec.name] for spec in self.plan.outputs}
 
 
-async def _all(calls: list[Awaitable[dict[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
+async def _all(calls: list[Awaitable[dict[str, np.ndarray]]], ranks: list[int]) -> list[dict[str, np.ndarray]]:
     """Await every rank; on the first failure cancel the others (every task
-    is owned here and finished before returning or raising)."""
+    is owned here and finished before returning or raising).
+
+    Every rank that failed is heard, not only the first: ranks failing
+    together (a request no rank can run, or several workers lost) raise one
+    error that names each rank's cause, and no task's exception is left
+    unretrieved.
+    """
     tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -91,12 +99,31 @@ async def _all(calls: list[Awaitable[dict[str, np.ndarray]]]) -> list[dict[str, 
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        # Raise the failure itself, not the CancelledError of a rank cancelled
-        # because of it (which may come first in rank order).
-        for task in tasks:
-            if task in done and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+    # Ranks that failed by themselves, in rank order: not the CancelledError of
+    # a rank cancelled because of them. exception() marks each one retrieved.
+    failed = [(rank, task.exception()) for rank, task in zip(ranks, tasks)
+              if task in done and not task.cancelled() and task.exception() is not None]
+    if failed:
+        raise _combined(failed)
     return [task.result() for task in tasks]
+
+
+def _combined(failed: list[tuple[int, BaseException | None]]) -> BaseException:
+    """The first rank's error, its message naming every other rank's different cause."""
+    (first_rank, first), others = failed[0], failed[1:]
+    assert first is not None
+    for rank, error in others:
+        log.info("rank %d failed too: %r", rank, error)
+    causes = [f"rank {rank}: {error}" for rank, error in others if str(error) != str(first)]
+    if not causes:
+        return first
+    if isinstance(first, InferGateError):
+        combined = copy.copy(first)  # same class, so the same status goes back
+        combined.message = f"rank {first_rank}: {first.message}; " + "; ".join(causes)
+        combined.args = (combined.message,)
+        return combined
+    first.add_note("; ".join(causes))
+    return first
 
 
 def _join(boundary: Boundary, local: list[dict[str, np.ndarray]], shared: dict[str, np.ndarray], ranks: list[int]) -> None:

@@ -16,14 +16,18 @@ shards.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
 import onnx
 
-from splitter.graph import SplitError
+from splitter.graph import GraphView, SplitError, prepare
 from splitter.pipeline import split_pipeline_parallel
 from splitter.plan import Plan, Segment
+from splitter.probe import cpu_session, model_inputs
 from splitter.shards import SplitResult
+from splitter.sizes import InputHints
 from splitter.tensor import split_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -47,7 +51,15 @@ class LayoutSplit:
         raise KeyError(shard)
 
 
-def split_layout(model: onnx.ModelProto, tensor_parallel: int, pipeline_parallel: int, *, name: str) -> LayoutSplit:
+def split_layout(
+    model: onnx.ModelProto,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    *,
+    name: str,
+    hints: InputHints | None = None,
+    declared: Mapping[str, tuple[int, ...]] | None = None,
+) -> LayoutSplit:
     """Split ``model`` into ``pipeline_parallel`` stages of ``tensor_parallel`` ranks each.
 
     Shard names: ``<name>.tp<N>.r<rank>.s<segment>`` (tensor only),
@@ -57,18 +69,22 @@ def split_layout(model: onnx.ModelProto, tensor_parallel: int, pipeline_parallel
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise SplitError(f"parallel degrees must be >= 1, got tp={tensor_parallel} pp={pipeline_parallel}")
     if tensor_parallel == 1:
-        result = split_pipeline_parallel(model, pipeline_parallel, name=name)
+        result = split_pipeline_parallel(model, pipeline_parallel, name=name, hints=hints, declared=declared)
         return LayoutSplit(result, tuple((shard.name,) for shard in result.plan.shards()))
     if pipeline_parallel == 1:
-        result = split_tensor_parallel(model, tensor_parallel, name=name)
+        result = split_tensor_parallel(model, tensor_parallel, name=name, hints=hints, declared=declared)
         return LayoutSplit(result, _rank_slots(result.plan, tensor_parallel))
-    stages = split_pipeline_parallel(model, pipeline_parallel, name=name)
+    stages = split_pipeline_parallel(model, pipeline_parallel, name=name, hints=hints, declared=declared)
+    stage_feeds = _stage_inputs(model, stages, hints, declared)
     segments: list[Segment] = []
     models: dict[str, onnx.ModelProto] = {}
     slots: list[tuple[str, ...]] = []
     fallbacks = []
     for stage in stages.plan.shards():
-        sub = split_tensor_parallel(stages.models[stage.name], tensor_parallel, name=stage.name)
+        # each stage is probed on what the stages before it produce from the
+        # whole model's probe inputs, so its sizes stay consistent
+        sub = split_tensor_parallel(stages.models[stage.name], tensor_parallel, name=stage.name,
+                                    feeds=stage_feeds[stage.name])
         offset = len(segments)
         for segment in sub.plan.segments:
             shards = tuple(replace(shard, segment=shard.segment + offset) for shard in segment.shards)
@@ -89,7 +105,26 @@ def split_layout(model: onnx.ModelProto, tensor_parallel: int, pipeline_parallel
     )
     log.info("split %s into %d stages x %d ranks: %d segments, %d shards", name, pipeline_parallel,
              tensor_parallel, len(segments), len(models))
-    return LayoutSplit(SplitResult(plan, models), tuple(slots))
+    return LayoutSplit(SplitResult(plan, models, stages.sizes, hints), tuple(slots))
+
+
+def _stage_inputs(
+    model: onnx.ModelProto, stages: SplitResult, hints: InputHints | None, declared: Mapping[str, tuple[int, ...]] | None
+) -> dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+    """Each stage's inputs at the two probe sizes the pipeline split used."""
+    assert stages.sizes is not None
+    inputs = model_inputs(GraphView(prepare(model)), hints, declared)
+    rng = np.random.default_rng(0)
+    runs = [inputs.make(sizes, rng) for sizes in stages.sizes.probe]
+    out: dict[str, list[dict[str, np.ndarray]]] = {}
+    for store in runs:
+        for stage in stages.plan.shards():
+            feeds = {spec.name: store[spec.name] for spec in stage.inputs}
+            out.setdefault(stage.name, []).append(feeds)
+            session = cpu_session(stages.models[stage.name])
+            names = [spec.name for spec in stage.outputs]
+            store.update(zip(names, session.run(names, feeds)))
+    return {name: (pair[0], pair[1]) for name, pair in out.items()}
 
 
 def _rank_slots(plan: Plan, n: int) -> list[tuple[str, ...]]:

@@ -21,6 +21,7 @@ stages are copied into each.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -29,19 +30,30 @@ from onnx.utils import Extractor
 
 from splitter.graph import GraphView, SplitError, node_inputs, prepare, tensor_nbytes
 from splitter.layout import REPLICATED
-from splitter.plan import Boundary, Collective, Plan, Segment, Shard, shard_name
+from splitter.plan import Boundary, Collective, Plan, Segment, Shard, TensorSpec, shard_name
 from splitter.probe import Probe, probe
-from splitter.shards import SplitResult, tensor_spec
+from splitter.shards import SplitResult, signature_value_info, tensor_spec
+from splitter.sizes import InputHints
 
 log = logging.getLogger(__name__)
 
 
-def split_pipeline_parallel(model: onnx.ModelProto, m: int, *, name: str) -> SplitResult:
-    """Split ``model`` into ``m`` stages; shards are named ``<name>.pp<m>.s<stage>``."""
+def split_pipeline_parallel(
+    model: onnx.ModelProto,
+    m: int,
+    *,
+    name: str,
+    hints: InputHints | None = None,
+    declared: Mapping[str, tuple[int, ...]] | None = None,
+) -> SplitResult:
+    """Split ``model`` into ``m`` stages; shards are named ``<name>.pp<m>.s<stage>``.
+
+    ``hints`` and ``declared`` as for :func:`splitter.split_tensor_parallel`.
+    """
     if m < 1:
         raise SplitError(f"pipeline-parallel degree must be >= 1, got {m}")
     view = GraphView(prepare(model))
-    found = probe(view)
+    found = probe(view, hints, declared=declared)
     cuts = _choose_cuts(view, found, m)
     bounds = [0, *cuts, len(view.nodes)]
     inferred = _with_value_info(view, found)
@@ -73,6 +85,7 @@ def split_pipeline_parallel(model: onnx.ModelProto, m: int, *, name: str) -> Spl
         weight = sum(tensor_nbytes(t) for t in extracted.graph.initializer)
         ins = tuple(tensor_spec(found, x, REPLICATED, 1) for x in inputs)
         outs = tuple(tensor_spec(found, x, REPLICATED, 1) for x in outputs)
+        _declare_signature(extracted, ins, outs)
         shards = (Shard(shard, 0, stage, ins, outs, weight, f"{shard}/1/model.onnx"),)
         segments.append(Segment(stage, shards, tuple(Boundary(x, Collective.NONE) for x in outputs)))
     plan = Plan(
@@ -86,7 +99,17 @@ def split_pipeline_parallel(model: onnx.ModelProto, m: int, *, name: str) -> Spl
         source_weight_bytes=view.weight_bytes(),
     )
     log.info("pipeline parallel M=%d: cuts before nodes %s", m, [view.nodes[c].name for c in cuts])
-    return SplitResult(plan, models)
+    return SplitResult(plan, models, found.sizes, hints)
+
+
+def _declare_signature(model: onnx.ModelProto, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> None:
+    """The stage's graph inputs and outputs as the plan (and config.pbtxt)
+    declare them, not as shape inference happened to leave them."""
+    for target, specs in ((model.graph.input, inputs), (model.graph.output, outputs)):
+        by_name = {spec.name: spec for spec in specs}
+        for index, value in enumerate(target):
+            if value.name in by_name:
+                target[index].CopyFrom(signature_value_info(by_name[value.name]))
 
 
 def _reads_from(view: GraphView, bounds: list[int]) -> list[set[str]]:
@@ -113,7 +136,8 @@ def _choose_cuts(view: GraphView, found: Probe, m: int) -> list[int]:
     if m == 1:
         return []
     if len(weighted) < m:
-        raise SplitError(f"cannot cut into {m} stages: only {len(weighted)} nodes carry weights")
+        raise SplitError(f"cannot cut into {m} stages: only {len(weighted)} nodes carry weights; "
+                         f"choose a pipeline-parallel degree of {max(len(weighted), 1)} or less")
     crossing = _crossing_bytes(view, found)
     # boundary j sits between weighted items j-1 and j; pick its cheapest position
     places: list[int] = [0]

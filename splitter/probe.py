@@ -1,14 +1,19 @@
 """Running a model to learn what static analysis cannot: the concrete shape,
 dtype and (for small integer tensors) value of every tensor, at two input
 sizes, so a splitter can tell static dimensions and static reshape-target
-entries from ones that follow the batch or sequence length. Also synthesises
-random inputs for probing and for verification.
+entries from ones that follow the input sizes.
+
+Which dimensions are dynamic is decided by symbolic shape inference first
+(:mod:`splitter.shapes`); the two runs, at realistic sizes that differ in
+every input symbol (:mod:`splitter.sizes`), catch what inference missed, so
+a dimension that varied is never frozen.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -16,83 +21,23 @@ import onnxruntime as ort
 from onnx import helper
 
 from splitter.graph import GraphView, SplitError
+from splitter.shapes import SymbolicShapes, infer_symbolic
+from splitter.sizes import (
+    HINT,
+    InputHints,
+    InputSpec,
+    SizePlan,
+    declared_model,
+    index_bounds,
+    input_specs,
+    make_inputs,
+    size_plans,
+    typical_sizes,
+)
 
 log = logging.getLogger(__name__)
 
-# Values given to the model's dynamic dimensions, one per distinct symbol in
-# order of first appearance. The two probe runs differ in every symbol, and
-# verification uses sizes used by neither, as a split must hold at any size.
-PROBE_SIZES: tuple[tuple[int, ...], tuple[int, ...]] = ((2, 3, 5, 7, 11, 13), (3, 5, 7, 11, 13, 17))
-VERIFY_SIZES: tuple[int, ...] = (4, 6, 8, 9, 10, 12)
 _MAX_VALUE_ELEMENTS = 64  # integer tensors up to this size are recorded by value (shape arithmetic)
-
-
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    name: str
-    dtype: np.dtype
-    dims: tuple[int | str, ...]  # int: static size; str: a symbol shared by equal dims
-
-
-def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
-    """The model's real inputs; unnamed dynamic dims share a symbol per axis."""
-    inits = {t.name for t in model.graph.initializer}
-    specs = []
-    for value in model.graph.input:
-        if value.name in inits:
-            continue
-        ttype = value.type.tensor_type
-        dims: list[int | str] = []
-        for axis, dim in enumerate(ttype.shape.dim):
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                dims.append(int(dim.dim_value))
-            elif dim.HasField("dim_param") and dim.dim_param:
-                dims.append(dim.dim_param)
-            else:
-                dims.append(f"axis{axis}")
-        specs.append(InputSpec(value.name, np.dtype(helper.tensor_dtype_to_np_dtype(ttype.elem_type)), tuple(dims)))
-    return specs
-
-
-def index_bounds(view: GraphView) -> dict[str, int]:
-    """For integer inputs used as Gather indices into a constant table: the table size."""
-    bounds: dict[str, int] = {}
-    for name in view.inputs:
-        for index in view.consumers.get(name, ()):
-            node = view.nodes[index]
-            table = view.const(node.input[0]) if node.op_type == "Gather" else None
-            if table is not None and len(node.input) > 1 and node.input[1] == name:
-                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                size = int(table.shape[axis])
-                bounds[name] = min(bounds.get(name, size), size)
-    return bounds
-
-
-def make_inputs(
-    model: onnx.ModelProto, sizes: tuple[int, ...], rng: np.random.Generator, bounds: dict[str, int] | None = None
-) -> dict[str, np.ndarray]:
-    """Random inputs with the dynamic dims set from ``sizes`` (one per symbol)."""
-    symbols: dict[str, int] = {}
-    feeds: dict[str, np.ndarray] = {}
-    bounds = bounds or {}
-    for spec in input_specs(model):
-        shape = []
-        for dim in spec.dims:
-            if isinstance(dim, str):
-                if dim not in symbols:
-                    symbols[dim] = sizes[len(symbols) % len(sizes)]
-                shape.append(symbols[dim])
-            else:
-                shape.append(dim)
-        if spec.dtype.kind == "f":
-            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-        elif spec.dtype.kind in "iu":
-            feeds[spec.name] = rng.integers(0, bounds.get(spec.name, 2), size=shape).astype(spec.dtype)
-        elif spec.dtype.kind == "b":
-            feeds[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            raise ValueError(f"input {spec.name!r}: cannot synthesise dtype {spec.dtype}")
-    return feeds
 
 
 def cpu_session(model: onnx.ModelProto | bytes, threads: int = 1) -> ort.InferenceSession:
@@ -107,11 +52,14 @@ def cpu_session(model: onnx.ModelProto | bytes, threads: int = 1) -> ort.Inferen
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """What two runs of a model at different input sizes showed."""
+    """What two runs of a model at different input sizes showed, and what
+    symbolic shape inference says about each dimension."""
 
     dtypes: dict[str, np.dtype]
     shapes: tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]
     values: tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+    symbolic: SymbolicShapes = field(default_factory=SymbolicShapes)
+    sizes: SizePlan | None = None  # None when the runs' inputs were given
 
     def knows(self, name: str) -> bool:
         return name in self.shapes[0] and name in self.shapes[1]
@@ -123,13 +71,47 @@ class Probe:
         return len(self.shapes[0][name])
 
     def spec_shape(self, name: str) -> tuple[int, ...]:
-        """The shape with -1 wherever the two runs disagreed."""
+        """The shape with -1 wherever the dim follows an input size: symbolic
+        inference says so, or the two runs disagreed."""
         a, b = self.shapes[0][name], self.shapes[1][name]
-        return tuple(x if x == y else -1 for x, y in zip(a, b))
+        dynamic = self.symbolic.dynamic_axes(name) if len(self.symbolic.dims.get(name, ())) == len(a) else frozenset()
+        return tuple(x if x == y and axis not in dynamic else -1 for axis, (x, y) in enumerate(zip(a, b)))
 
 
-def probe(view: GraphView, seed: int = 0) -> Probe:
-    """Run the model twice, asking for every node output."""
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """How a model's inputs are made: their specs and the declared hints."""
+
+    specs: list[InputSpec]
+    hints: InputHints
+    bounds: dict[str, int]
+    symbolic: SymbolicShapes
+    plans: list[SizePlan]
+
+    def make(self, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return make_inputs(self.specs, sizes, rng, self.bounds, self.hints.values)
+
+
+def model_inputs(view: GraphView, hints: InputHints | None = None, declared: Mapping[str, tuple[int, ...]] | None = None) -> Inputs:
+    """Infer symbolic shapes and work out the size plans for ``view``'s model."""
+    hints = hints or InputHints()
+    model = declared_model(view.model, hints)
+    symbolic = infer_symbolic(model)
+    specs = input_specs(model, symbolic.merges)
+    plans = size_plans(specs, typical_sizes(specs, hints, declared or {}))
+    return Inputs(specs, hints, index_bounds(view), symbolic, plans)
+
+
+def probe(
+    view: GraphView,
+    hints: InputHints | None = None,
+    *,
+    declared: Mapping[str, tuple[int, ...]] | None = None,
+    feeds: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
+    seed: int = 0,
+) -> Probe:
+    """Run the model twice, asking for every node output: at the first size
+    plan ONNX Runtime accepts, or on the given ``feeds``."""
     model = onnx.ModelProto()
     model.CopyFrom(view.model)
     existing = {o.name for o in model.graph.output}
@@ -138,26 +120,25 @@ def probe(view: GraphView, seed: int = 0) -> Probe:
             if name and name not in existing:
                 model.graph.output.append(onnx.ValueInfoProto(name=name))
                 existing.add(name)
-    rng = np.random.default_rng(seed)
-    bounds = index_bounds(view)
-    dtypes: dict[str, np.dtype] = {}
-    shapes: list[dict[str, tuple[int, ...]]] = []
-    values: list[dict[str, np.ndarray]] = []
+    inputs = model_inputs(view, hints, declared)
     try:
         session = cpu_session(model)
     except Exception as exc:  # ORT raises its own types: report them as a split failure
         raise SplitError(f"ONNX Runtime cannot load the model to learn its shapes: {exc}") from exc
     names = [o.name for o in session.get_outputs()]
-    for sizes in PROBE_SIZES:
-        feeds = make_inputs(view.model, sizes, rng, bounds)
-        try:
-            results = session.run(names, feeds)
-        except Exception as exc:
-            shapes_seen = {k: list(v.shape) for k, v in feeds.items()}
-            raise SplitError(f"ONNX Runtime cannot run the model on inputs {shapes_seen}: {exc}") from exc
+    plan: SizePlan | None = None
+    if feeds is not None:
+        results = [session.run(names, f) for f in feeds]
+        runs = list(feeds)
+    else:
+        plan, runs, results = _first_plan_that_runs(session, names, inputs, seed)
+    dtypes: dict[str, np.dtype] = {}
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    values: list[dict[str, np.ndarray]] = []
+    for run_feeds, run_results in zip(runs, results):
         run_shapes: dict[str, tuple[int, ...]] = {}
         run_values: dict[str, np.ndarray] = {}
-        for name, array in list(zip(names, results)) + list(feeds.items()):
+        for name, array in list(zip(names, run_results)) + list(run_feeds.items()):
             array = np.asarray(array)
             dtypes[name] = array.dtype
             run_shapes[name] = tuple(int(d) for d in array.shape)
@@ -174,5 +155,29 @@ def probe(view: GraphView, seed: int = 0) -> Probe:
             shapes[run][name] = dims
             if small_int:
                 values[run][name] = view.const(name)  # type: ignore[assignment]
-    log.debug("probed %d tensors at sizes %s", len(names), PROBE_SIZES)
-    return Probe(dtypes=dtypes, shapes=(shapes[0], shapes[1]), values=(values[0], values[1]))
+    log.debug("probed %d tensors (%s)", len(names), plan.label if plan else "given inputs")
+    return Probe(dtypes, (shapes[0], shapes[1]), (values[0], values[1]), inputs.symbolic, plan)
+
+
+def _first_plan_that_runs(
+    session: ort.InferenceSession, names: list[str], inputs: Inputs, seed: int
+) -> tuple[SizePlan, list[dict[str, np.ndarray]], list[list[np.ndarray]]]:
+    first_error: tuple[dict[str, list[int]], Exception] | None = None
+    for plan in inputs.plans:
+        rng = np.random.default_rng(seed)
+        runs = [inputs.make(sizes, rng) for sizes in plan.probe]
+        try:
+            results = [session.run(names, feeds) for feeds in runs]
+        except Exception as exc:  # noqa: BLE001 - a size plan the model refuses: try the next
+            log.info("size plan %s refused: %s", plan.label, exc)
+            if first_error is None:
+                first_error = ({k: list(v.shape) for k, v in runs[0].items()}, exc)
+            continue
+        return plan, runs, results
+    assert first_error is not None
+    shapes_seen, exc = first_error
+    integers = [s.name for s in inputs.specs if s.dtype.kind in "iu" and s.name not in inputs.bounds
+                and s.name not in inputs.hints.values]
+    extra = f" (integer inputs filled with random 0/1: {', '.join(integers)})" if integers else ""
+    raise SplitError(f"ONNX Runtime cannot run the model on inputs {shapes_seen} nor at the other sizes tried "
+                     f"({', '.join(p.label for p in inputs.plans)}){extra}: {str(exc).strip()}. To split it, {HINT}") from exc

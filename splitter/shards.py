@@ -30,16 +30,21 @@ from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 from splitter.layout import State
 from splitter.plan import Plan, Shard, TensorSpec
 from splitter.probe import Probe
+from splitter.sizes import InputHints, SizePlan
 
 PLAN_FILE = "plan.json"
 
 
 @dataclass(frozen=True, slots=True)
 class SplitResult:
-    """A plan and the shard models it names (``models[shard.name]``)."""
+    """A plan and the shard models it names (``models[shard.name]``), plus
+    the input sizes it was probed at and the hints it was given (verification
+    uses both)."""
 
     plan: Plan
     models: dict[str, onnx.ModelProto]
+    sizes: SizePlan | None = None
+    hints: InputHints | None = None
 
     def model_bytes(self, shard: str) -> bytes:
         return self.models[shard].SerializeToString()
@@ -60,7 +65,7 @@ def tensor_spec(found: Probe, name: str, state: State, n: int) -> TensorSpec:
     return TensorSpec(name, datatype(found.dtypes[name]), tuple(shape))
 
 
-def _value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
+def signature_value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(triton_to_np_dtype(spec.datatype)))
     dims = [d if d >= 0 else f"{spec.name}_d{i}" for i, d in enumerate(spec.shape)]
     return helper.make_tensor_value_info(spec.name, elem, dims)
@@ -75,7 +80,7 @@ def build_shard(
     initializers: list[onnx.TensorProto],
 ) -> onnx.ModelProto:
     graph = helper.make_graph(
-        nodes, name, [_value_info(s) for s in inputs], [_value_info(s) for s in outputs], initializer=initializers
+        nodes, name, [signature_value_info(s) for s in inputs], [signature_value_info(s) for s in outputs], initializer=initializers
     )
     model = helper.make_model(graph, opset_imports=list(original.opset_import), ir_version=original.ir_version)
     model.functions.extend(original.functions)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from splitter import tensor_context, tensor_shapes
@@ -27,6 +29,7 @@ from splitter.layout import REPLICATED, State
 from splitter.plan import Boundary, Collective, Fallback, Plan, Segment, Shard, shard_name
 from splitter.probe import Probe, probe
 from splitter.shards import SplitResult, build_shard, tensor_spec
+from splitter.sizes import InputHints
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +69,34 @@ class _Draft:
     collectives: dict[str, State] = field(default_factory=dict)  # applied at the cut after it
 
 
-def split_tensor_parallel(model: onnx.ModelProto, n: int, *, name: str, strict: bool = False) -> SplitResult:
+def split_tensor_parallel(
+    model: onnx.ModelProto,
+    n: int,
+    *,
+    name: str,
+    strict: bool = False,
+    hints: InputHints | None = None,
+    declared: Mapping[str, tuple[int, ...]] | None = None,
+    feeds: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
+) -> SplitResult:
     """Split ``model`` into ``n`` ranks; shards are named ``<name>.tp<n>.r<rank>.s<segment>``.
 
     Whatever cannot be sharded runs replicated (and is listed in
     ``plan.fallbacks``); with ``strict`` that raises :class:`SplitError`
-    naming the node instead.
+    naming the node instead. ``hints``: declared input shapes and values;
+    ``declared``: the source's config.pbtxt shapes (typical sizes);
+    ``feeds``: the two probe runs' inputs, when the caller has them.
     """
     if n < 1:
         raise SplitError(f"tensor-parallel degree must be >= 1, got {n}")
     prepared = prepare(model, split_gemm_bias=True)
     view = GraphView(prepared)
-    found = probe(view)
+    found = probe(view, hints, declared=declared, feeds=feeds)
     ctx = tensor_context.Context(view, found, n, weights.fused_layouts(view, found, n))
     walk = _Walk(ctx, strict)
     drafts = walk.run()
-    return _assemble(ctx, drafts, walk.fallbacks, name)
+    result = _assemble(ctx, drafts, walk.fallbacks, name)
+    return SplitResult(result.plan, result.models, found.sizes, hints)
 
 
 class _Walk:
@@ -140,7 +155,10 @@ class _Walk:
         rule = RULES.get(node.op_type) if splittable else None
         emit = rule(self.ctx, node, st) if rule else None
         if emit is None and all(s.kind == "R" for s in st):
-            emit = self.ctx.copy(node, [REPLICATED] * len(node.output))
+            weights = [x for x in node.input if x in self.view.initializers and self.view.initializers[x].dims
+                       and len(self.view.initializers[x].dims) >= 2] if rule is None and self.ctx.n > 1 else []
+            note = f"no tensor-parallel rule for {node.op_type}: weight {weights[0]!r} kept whole" if weights else None
+            emit = self.ctx.copy(node, [REPLICATED] * len(node.output), note=note)
         return emit
 
     def _needs(self, index: int) -> dict[str, State]:
@@ -184,7 +202,9 @@ class _Walk:
 
     def _fallback(self, node: onnx.NodeProto, reason: str) -> None:
         if self.strict:
-            raise SplitError(f"node {node.name!r} ({node.op_type}): cannot shard at N={self.ctx.n}: {reason}")
+            raise SplitError(f"node {node.name!r} ({node.op_type}): cannot shard at N={self.ctx.n}: {reason}. "
+                             "Without --strict it runs replicated (listed as a fallback); or choose another "
+                             "tensor-parallel degree")
         log.info("tensor parallel N=%d: node %r (%s): %s", self.ctx.n, node.name, node.op_type, reason)
         self.fallbacks.append(Fallback(node.name, node.op_type, reason))
 

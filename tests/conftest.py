@@ -1,13 +1,20 @@
-"""Shared fixtures: the example model repository, built once per test session.
+"""Shared fixtures: the example model repository, built once per test session, and the
+simulated multi-host network.
 
 Tests marked ``slow`` are skipped unless pytest runs with ``--run-slow``.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.netsim import NetSim, sweep
+from tests.netsim import unavailable as netsim_unavailable
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,3 +38,21 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models")
     build_repository(path)
     return path
+
+
+@pytest.fixture
+def netsim() -> Iterator[NetSim]:
+    """A simulated multi-host network (tests/netsim.py); skips where namespaces are not available."""
+    reason = netsim_unavailable()
+    if reason is not None:
+        pytest.skip(f"multi-host simulation unavailable: {reason}")
+    with NetSim() as net:
+        yield net
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _netsim_sweep() -> Iterator[None]:
+    """Whatever a simulation left behind (a crashed test, an interrupted run) goes at the end."""
+    yield
+    if os.geteuid() == 0 and shutil.which("ip"):
+        sweep()

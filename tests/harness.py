@@ -66,8 +66,12 @@ def infergate_cmd(*args: str) -> list[str]:
 
 
 def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S,
-          module: str = "infergate") -> Proc:
-    """Start ``infergate ARGS --ready-file F`` (or ``python -m MODULE ...``) and wait until F appears."""
+          prefix: list[str] | None = None, module: str = "infergate") -> Proc:
+    """Start ``infergate ARGS --ready-file F`` (or ``python -m MODULE ...``) and wait until F appears.
+
+    ``prefix`` runs it through another command that execs it in place (e.g.
+    ``ip netns exec NS``), so the process started is still the one stopped.
+    """
     tmpdir = Path(tempfile.mkdtemp(prefix="infergate-test-"))
     ready_file = tmpdir / "ready.json"
     log_path = tmpdir / "process.log"
@@ -75,7 +79,7 @@ def start(args: list[str], *, env: dict[str, str] | None = None, timeout_s: floa
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
+    cmd = [*(prefix or ()), sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
     log = open(log_path, "wb")
     popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

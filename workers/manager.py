@@ -41,6 +41,7 @@ from workers.repository import (
     ModelRepository,
     available_versions,
     check_model_name,
+    missing_versions,
     parse_config_json,
     read_config,
     resolve_instance_groups,
@@ -67,6 +68,11 @@ class _Entry:
     latest: LoadedModel | None = None
     # Private directory of a load-with-override; owned by the current versions.
     staged_dir: Path | None = None
+    # The `config` of a load that overrode only the config: a later load without
+    # one keeps it while the model stays loaded, as Triton does.
+    override_config: str | None = None
+    # Versions the version policy names that have no directory: version -> reason.
+    missing: dict[int, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def install(self, versions: dict[int, LoadedModel], staged_dir: Path | None) -> None:
@@ -80,6 +86,7 @@ class _Built:
     config: mc.ModelConfig
     placements: list[Placement]
     instances: dict[int, list[ModelInstance]]
+    missing: dict[int, str]
 
 
 class ModelManager:
@@ -210,7 +217,15 @@ class ModelManager:
         async with self._locked(name, create=True) as entry:
             assert entry is not None
             staged: Path | None = None
+            # Until the model directory is in place, a failure is the request's (bad parameters,
+            # files that cannot be written): as in Triton, it leaves no state behind.
+            polled = False
+            if config_json is None and not files and entry.versions and entry.override_config is not None:
+                config_json = entry.override_config  # a reload keeps the config it was loaded with
             try:
+                if files and config_json is None:
+                    # Triton's words: the override files form the whole model directory, config included.
+                    raise InvalidArgument("Load parameter 'config' must be specified for model file override")
                 if files:
                     staged = await asyncio.to_thread(stage_override, self._staging_root, name, files)
                     model_dir = staged
@@ -219,6 +234,7 @@ class ModelManager:
                     if found is None:
                         raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
                     model_dir = found
+                polled = True
                 if not entry.versions:
                     entry.state, entry.reason = ModelState.LOADING, ""
                 built = await asyncio.to_thread(self._build, name, model_dir, config_json)
@@ -228,7 +244,7 @@ class ModelManager:
                 if not entry.versions:
                     entry.state = ModelState.UNAVAILABLE
                     entry.reason = exc.message if isinstance(exc, InferGateError) else "load failed"
-                    if isinstance(exc, ModelNotFound):
+                    if isinstance(exc, ModelNotFound) or not polled:
                         self._forget(entry)
                 if isinstance(exc, InferGateError) and not isinstance(exc, ModelNotFound):
                     logger.error("load failed for model %s: %s", name, exc.message)
@@ -240,6 +256,8 @@ class ModelManager:
             }
             old, old_staged = list(entry.versions.values()), entry.staged_dir
             entry.install(versions, staged)
+            entry.override_config = config_json if not files else None
+            entry.missing = built.missing
             entry.state, entry.reason = ModelState.READY, ""
             logger.info(
                 "loaded model %s versions %s, %d instance(s) each on %s",
@@ -252,7 +270,11 @@ class ModelManager:
         config = parse_config_json(config_json, name) if config_json else read_config(model_dir, name)
         if config.max_batch_size < 0:
             raise InvalidArgument(f"model '{name}': max_batch_size must be >= 0")
-        numbers = select_versions(config, available_versions(model_dir))
+        available = available_versions(model_dir)
+        numbers = select_versions(config, available)
+        missing = missing_versions(config, available)
+        for number, reason in missing.items():
+            logger.warning("model %s: %s", name, reason)
         config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
         placements = resolve_instance_groups(config, self.backend.gpu_count(), self.backend.cpu_instances)
         # Tell the gateway how many batches of this model run at once here: one per
@@ -270,7 +292,7 @@ class ModelManager:
                 for instance in instances:
                     instance.close()
             raise
-        return _Built(config, placements, created)
+        return _Built(config, placements, created, missing)
 
     async def _unload(self, name: str) -> None:
         async with self._locked(name, create=False) as entry:
@@ -280,6 +302,7 @@ class ModelManager:
                 return  # in the repository but never loaded: nothing to do, as in Triton
             old, staged = list(entry.versions.values()), entry.staged_dir
             entry.install({}, None)
+            entry.override_config, entry.missing = None, {}
             if old:
                 entry.state = ModelState.UNLOADING
                 await self._retire(old, staged)
@@ -307,6 +330,9 @@ class ModelManager:
             entry = self._entries.get(name)
             if entry is not None and entry.versions:
                 rows.extend(Row(name=name, version=str(v), state=ModelState.READY.value) for v in sorted(entry.versions))
+                if not ready_only:  # versions the policy names that could not be loaded
+                    rows.extend(Row(name=name, version=str(v), state=ModelState.UNAVAILABLE.value, reason=why)
+                                for v, why in sorted(entry.missing.items()))
             elif not ready_only:
                 if entry is None:
                     rows.append(Row(name=name))  # never loaded: no state, as Triton reports it

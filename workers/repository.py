@@ -69,8 +69,18 @@ def config_datatype(datatype: str) -> int:
         raise InvalidArgument(f"unknown datatype {datatype!r}") from None
 
 
+# A model name is a directory name: at most NAME_MAX bytes on every common file system.
+MAX_MODEL_NAME_BYTES = 255
+
+
+def valid_model_name(name: str) -> bool:
+    return bool(_MODEL_NAME.match(name)) and name not in (".", "..") and len(name.encode()) <= MAX_MODEL_NAME_BYTES
+
+
 def check_model_name(name: str) -> None:
-    if not _MODEL_NAME.match(name) or name in (".", ".."):
+    if len(name.encode()) > MAX_MODEL_NAME_BYTES:
+        raise InvalidArgument(f"invalid model name {name[:32]!r}...: longer than {MAX_MODEL_NAME_BYTES} bytes")
+    if not valid_model_name(name):
         raise InvalidArgument(f"invalid model name {name!r}: use letters, digits, '_', '-' and '.'")
 
 
@@ -88,7 +98,7 @@ class ModelRepository:
 
     def model_dir(self, name: str) -> Path | None:
         """The directory of model ``name``, or None when the repository has none."""
-        if not _MODEL_NAME.match(name) or name in (".", ".."):
+        if not valid_model_name(name):
             return None
         path = self.root / name
         return path if path.is_dir() else None
@@ -131,7 +141,12 @@ def available_versions(model_dir: Path) -> list[int]:
 
 
 def select_versions(config: mc.ModelConfig, available: list[int]) -> list[int]:
-    """The versions the config's ``version_policy`` serves (default: the latest one), ascending."""
+    """The versions the config's ``version_policy`` serves (default: the latest one), ascending.
+
+    As in Triton, a ``specific`` policy loads the listed versions that exist
+    and leaves the others out (see :func:`missing_versions`); it fails only
+    when none of them exists.
+    """
     name = config.name
     if not available:
         raise InvalidArgument(f"model '{name}' has no version directory (e.g. '{name}/1/')")
@@ -141,21 +156,34 @@ def select_versions(config: mc.ModelConfig, available: list[int]) -> list[int]:
         return list(available)
     if which == "specific":
         wanted = sorted(set(policy.specific.versions))
-        missing = [v for v in wanted if v not in available]
-        if missing or not wanted:
-            raise InvalidArgument(f"model '{name}' version policy asks for versions {missing or wanted} that do not exist")
-        return wanted
+        present = [v for v in wanted if v in available]
+        if not present:
+            raise InvalidArgument(
+                f"model '{name}' version policy asks for versions {wanted} and none of them has a version directory"
+            )
+        return present
     count = policy.latest.num_versions if which == "latest" else 1
     if count < 1:
         raise InvalidArgument(f"model '{name}' version policy 'latest' needs num_versions >= 1")
     return available[-count:]
 
 
+def missing_versions(config: mc.ModelConfig, available: list[int]) -> dict[int, str]:
+    """Versions a ``specific`` policy names that have no directory, each with the reason it is unavailable."""
+    if config.version_policy.WhichOneof("policy_choice") != "specific":
+        return {}
+    return {
+        v: f"version {v} is specified for model '{config.name}', but the version directory is not present"
+        for v in sorted(set(config.version_policy.specific.versions)) if v not in available
+    }
+
+
 def resolve_instance_groups(config: mc.ModelConfig, gpu_count: int, cpu_instances: int = 1) -> list[Placement]:
     """One placement per execution instance, and the config's groups rewritten to say so.
 
     As in Triton: no ``instance_group`` means one instance per GPU (or, on the
-    CPU, ``cpu_instances``: the backend's choice for using every core); ``KIND_AUTO`` is GPU when one is usable; ``KIND_GPU`` without ``gpus``
+    CPU, ``cpu_instances``: the backend's choice for using every core);
+    ``KIND_AUTO`` is GPU when one is usable; ``KIND_GPU`` without ``gpus``
     means every GPU. Unlike Triton, a ``KIND_GPU`` group on a machine (or with a
     ``--device cpu`` worker) without GPUs runs on the CPU, with a warning, so one
     repository serves on both.
@@ -210,8 +238,13 @@ def stage_override(staging_root: Path, name: str, files: Mapping[str, bytes]) ->
             if path.is_absolute() or not path.parts or any(part in ("", ".", "..") for part in path.parts):
                 raise InvalidArgument(f"override file path {relative!r} for model '{name}' must be relative, without '..'")
             target = model_dir.joinpath(*path.parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            except OSError as exc:  # e.g. a name over the file system's limit: the request's fault
+                raise InvalidArgument(
+                    f"cannot write override file {relative!r} for model '{name}': {exc.strerror or exc}"
+                ) from None
     except BaseException:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise

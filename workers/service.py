@@ -5,9 +5,10 @@ grpc.aio, over the :class:`~workers.manager.ModelManager`.
 This module is the worker's one error edge: handlers raise
 ``protos.errors.InferGateError`` subclasses and :func:`_rpc` turns them into
 gRPC statuses (``ModelStreamInfer`` into in-stream ``error_message``s).
-Anything else is logged with its traceback and answered with a generic
-INTERNAL. It also counts the requests in progress so shutdown can wait for
-them before cancelling idle streams.
+Anything else is logged with its traceback and answered with an INTERNAL
+naming the exception (its message cleaned of paths). It also counts the
+requests in progress so shutdown can wait for them before cancelling idle
+streams.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
+from workers.backends.run_errors import clean_message
 from workers.manager import ModelManager
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def _as_error(exc: Exception, what: str) -> InferGateError:
     if isinstance(exc, InferGateError):
         return exc
     logger.exception("unexpected error in %s", what)
-    return Internal("internal error")
+    cause = clean_message(str(exc).splitlines()[0] if str(exc) else "")
+    return Internal(f"{what} failed on the worker: {type(exc).__name__}{': ' + cause if cause else ''}")
 
 
 def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:

@@ -78,7 +78,7 @@ def check_request(sig: ModelSignature, request: service_pb2.ModelInferRequest) -
         if spec is None:
             raise InvalidArgument(f"unexpected inference input '{tensor.name}' for model '{model}'")
         if tensor.name in seen:
-            raise InvalidArgument(f"input '{tensor.name}' appears more than once in the request for model '{model}'")
+            raise InvalidArgument(f"input '{tensor.name}' already exists in request for model '{model}'")
         seen.add(tensor.name)
         if any(p in tensor.parameters for p in _SHM_PARAMETERS):
             raise Unsupported(f"input '{tensor.name}': shared memory is not supported by this server")
@@ -129,8 +129,9 @@ def check_request(sig: ModelSignature, request: service_pb2.ModelInferRequest) -
             raise Unsupported(f"output '{requested.name}': the classification extension is not supported by this server")
         if any(p in requested.parameters for p in _SHM_PARAMETERS):
             raise Unsupported(f"output '{requested.name}': shared memory is not supported by this server")
-        if requested.name not in names:
-            names.append(requested.name)
+        if requested.name in names:
+            raise InvalidArgument(f"output '{requested.name}' already exists in request for model '{model}'")
+        names.append(requested.name)
     return CheckedRequest(batch_size=batch_size, output_names=names or list(sig.outputs))
 
 
@@ -148,7 +149,7 @@ def decode_inputs(sig: ModelSignature, request: service_pb2.ModelInferRequest) -
             raw: bytes = raw_contents[index]
         else:
             raw = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=tensor.name)
-        arrays[tensor.name] = codec.decode(tensor.datatype, shape, raw, name=tensor.name)
+        arrays[tensor.name] = codec.decode(tensor.datatype, shape, raw, name=tensor.name, model=sig.name)
     return arrays
 
 

@@ -29,6 +29,16 @@ Modes:
   never ``max_batch_size``.
 * ``off``: one request per dispatch. Models with ``max_batch_size == 0``
   always run this way.
+
+Queue policies: a request is the batcher's until its batch is sent, so a
+queue timeout (REJECT or DELAY) acts on it up to that moment. For a model
+with queue timeouts (``BatchPolicy.has_queue_timeouts``) a batch is therefore
+handed only to a replica that starts it at once -- an idle one
+(``Capacity.has_capacity``), never a busy one's spare room, where it would
+wait out of the policy's reach -- and its dispatch is told not to wait for a
+slot either: if another model took the slot meanwhile, the dispatch raises
+:class:`~gateway.batching.seams.NotSent` and the requests go back to their
+places in the queue. Models without queue timeouts keep pipelining.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from typing import Any
 
 from gateway.batching.policy import DEFAULT_MAX_QUEUE_SIZE, BatchingMode, BatchPolicy, TimeoutAction
 from gateway.batching.request_queue import Entry, EntryState, RequestQueue, earliest
-from gateway.batching.seams import BatcherStats, Capacity, Clock, Dispatch, LoopClock
+from gateway.batching.seams import BatcherStats, Capacity, Clock, Dispatch, LoopClock, NotSent
 from gateway.types import InferRequest, InferResponse
 from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
 
@@ -64,6 +74,8 @@ class Batcher:
         self._dispatch = dispatch
         self._capacity = capacity
         room = getattr(capacity, "has_room", None)
+        if policy.has_queue_timeouts:
+            room = None  # only an idle replica: a busy one would hold the batch beyond the policy's reach
         self._has_room: Callable[[], bool] = room if callable(room) else capacity.has_capacity
         self._clock: Clock = clock or LoopClock()
         self._single = policy.max_batch_size == 0 or policy.mode == "off"
@@ -345,7 +357,18 @@ class Batcher:
         self.stats.batched_rows += sum(e.rows for e in live)
         error: BaseException | None = None
         try:
-            responses = await self._dispatch([e.req for e in live])
+            try:
+                responses = await self._dispatch([e.req for e in live])
+            except NotSent:
+                # Nothing left the gateway: back to the queue, under the queue policy again.
+                self.stats.batches -= 1
+                self.stats.batched_requests -= len(live)
+                self.stats.batched_rows -= sum(e.rows for e in live)
+                self.stats.requeued += 1
+                self._queue.requeue(live)
+                batch.clear()  # this task owns them no more (its done-callback reads this list)
+                live = []
+                return
             if len(responses) != len(live):
                 logger.error("model %s: dispatch returned %d responses for %d requests (ids %s)",
                              self.name, len(responses), len(live), [e.req.id for e in live])

@@ -1,9 +1,17 @@
 """The batching policy of one model: what the batcher is told to do.
 
 Owns :class:`BatchPolicy`: Triton's ``dynamic_batching`` settings (preferred
-sizes, queue delay, priority levels, queue policy, ordering) plus the
+sizes, queue delay, priority levels, queue policies, ordering) plus the
 gateway's batching mode, read from a model's ``ModelConfig`` and overridden by
-the gateway config. It is validated once, when built; the batcher trusts it.
+the gateway config, and :class:`QueuePolicy`, one priority level's own queue
+policy (Triton's ``priority_queue_policy``). It is validated once, when built;
+the batcher trusts it.
+
+Which ``max_queue_size`` wins, first to last: the gateway config's
+``models.<name>.max_queue_size``, the model's
+``default_queue_policy.max_queue_size`` (when above 0; Triton's 0 means
+unlimited, and the gateway keeps every queue bounded), the gateway-wide
+``max_queue_size``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,25 @@ from tritonclient.grpc import model_config_pb2
 BatchingMode = Literal["adaptive", "fixed", "off"]
 TimeoutAction = Literal["REJECT", "DELAY"]
 DEFAULT_MAX_QUEUE_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """One priority level's queue policy (Triton's ``ModelQueuePolicy``); ``max_queue_size`` 0 = no bound of its own."""
+
+    default_timeout_us: int = 0
+    timeout_action: TimeoutAction = "REJECT"
+    allow_timeout_override: bool = True
+    max_queue_size: int = 0
+
+    @classmethod
+    def from_proto(cls, qp: model_config_pb2.ModelQueuePolicy) -> QueuePolicy:
+        return cls(
+            default_timeout_us=qp.default_timeout_microseconds,
+            timeout_action=model_config_pb2.ModelQueuePolicy.TimeoutAction.Name(qp.timeout_action),  # type: ignore[arg-type]
+            allow_timeout_override=qp.allow_timeout_override,
+            max_queue_size=qp.max_queue_size,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +68,22 @@ class BatchPolicy:
     timeout_action: TimeoutAction = "REJECT"
     allow_timeout_override: bool = True
     preserve_ordering: bool = False
+    # Levels with a queue policy of their own (Triton's priority_queue_policy): (level, policy).
+    priority_queue_policies: tuple[tuple[int, QueuePolicy], ...] = ()
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        """The queue policy of priority ``level`` (1-based): its own, else the default one
+        (whose ``max_queue_size`` bounds the whole queue, not one level)."""
+        for own_level, policy in self.priority_queue_policies:
+            if own_level == level:
+                return policy
+        return QueuePolicy(self.default_timeout_us, self.timeout_action, self.allow_timeout_override)
+
+    @property
+    def has_queue_timeouts(self) -> bool:
+        """Whether a queue timeout can act on a request before its deadline: the batcher then
+        hands a batch only to a replica that runs it at once (see ``Batcher``)."""
+        return self.default_timeout_us > 0 or any(p.default_timeout_us > 0 for _, p in self.priority_queue_policies)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(self.preferred_batch_sizes))))
@@ -59,6 +102,12 @@ class BatchPolicy:
             problems.append("delays, timeouts and priority_levels must be >= 0")
         if self.priority_levels > 0 and not 1 <= self.default_priority_level <= self.priority_levels:
             problems.append("default_priority_level must be in 1..priority_levels")
+        for level, policy in self.priority_queue_policies:
+            if not 1 <= level <= max(self.priority_levels, 1):
+                problems.append(f"priority_queue_policy level {level} is outside 1..priority_levels")
+            if policy.timeout_action not in ("REJECT", "DELAY") or policy.default_timeout_us < 0 \
+                    or policy.max_queue_size < 0:
+                problems.append(f"priority_queue_policy level {level} is invalid")
         if problems:
             raise ValueError("invalid batch policy: " + "; ".join(problems))
 
@@ -70,12 +119,14 @@ class BatchPolicy:
         *,
         default_mode: BatchingMode = "adaptive",
         backend_batches: bool = False,
+        default_max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     ) -> BatchPolicy:
         """Read a model's Triton config; ``overrides`` (BatchPolicy field names) win.
 
         A model with ``dynamic_batching`` gets ``default_mode`` and Triton's
-        settings (a ``max_queue_size`` of 0, unlimited in Triton, keeps the
-        gateway's bound). A model with ``max_batch_size > 0`` but no
+        settings, its queue policies included (a ``max_queue_size`` of 0,
+        unlimited in Triton, keeps the gateway's bound,
+        ``default_max_queue_size``). A model with ``max_batch_size > 0`` but no
         ``dynamic_batching`` is still batched by the gateway, in adaptive mode:
         the worker accepts batches, and adaptive batching adds no delay at low
         load, so there is nothing to lose (set ``mode: off`` in the overrides,
@@ -89,7 +140,7 @@ class BatchPolicy:
         twice; what queues here while every replica is busy still goes as one
         batch, which Triton may merge further. ``off`` stays off.
         """
-        values: dict[str, Any] = {"max_batch_size": max(cfg.max_batch_size, 0)}
+        values: dict[str, Any] = {"max_batch_size": max(cfg.max_batch_size, 0), "max_queue_size": default_max_queue_size}
         if cfg.HasField("dynamic_batching"):
             db = cfg.dynamic_batching
             qp = db.default_queue_policy
@@ -103,6 +154,9 @@ class BatchPolicy:
                 timeout_action=model_config_pb2.ModelQueuePolicy.TimeoutAction.Name(qp.timeout_action),
                 allow_timeout_override=qp.allow_timeout_override,
                 preserve_ordering=db.preserve_ordering,
+                priority_queue_policies=tuple(
+                    (int(level), QueuePolicy.from_proto(qp)) for level, qp in sorted(db.priority_queue_policy.items())
+                ),
             )
             if qp.max_queue_size > 0:
                 values["max_queue_size"] = qp.max_queue_size

@@ -2,7 +2,8 @@
 
 Owns :class:`RequestQueue` and its :class:`Entry` (one queued request with its
 future): admission (rows checked against ``max_batch_size``, priority level,
-queue timeout, shedding a lower priority when the queue is full), the queues
+its level's queue policy -- timeout, action, bound --, shedding a lower
+priority when the whole queue is full), the queues
 per priority level (arrival order, DELAYed entries behind), the heap of
 deadline and queue-timeout timers, and each entry's one outcome -- in arrival
 order with ``preserve_ordering``. It never decides when a batch goes: that is
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gateway.batching.policy import BatchPolicy
+from gateway.batching.policy import BatchPolicy, QueuePolicy
 from gateway.batching.seams import BatcherStats
 from gateway.types import InferRequest, InferResponse
 from protos.errors import DeadlineExceeded, InferGateError, InvalidArgument, Overloaded, Unavailable
@@ -87,6 +88,7 @@ class RequestQueue:
         # Per priority level: entries not yet timed out, then DELAYed ones; both in arrival order.
         levels = max(1, policy.priority_levels)
         self._queues = [(OrderedDict[int, Entry](), OrderedDict[int, Entry]()) for _ in range(levels)]
+        self._level_policies: list[QueuePolicy] = [policy.queue_policy(level + 1) for level in range(levels)]
         self.count = 0
         self.rows = 0  # rows of all queued entries, whatever their key
         self.running = 0  # entries in a running batch and not answered yet
@@ -105,10 +107,16 @@ class RequestQueue:
         """Queue ``req`` (or raise InvalidArgument / Overloaded) and arm its timers."""
         rows = self._rows_of(req)
         slot = self._slot_of(req.priority)
+        level = self._level_policies[slot]
+        if level.max_queue_size and sum(map(len, self._queues[slot])) >= level.max_queue_size:
+            # A level bounded by its own queue policy: full is full (Triton's words first).
+            self.stats.rejected_full += 1
+            raise Overloaded(f"Exceeds maximum queue size: model '{self.name}' priority level {slot + 1} holds "
+                             f"{level.max_queue_size} requests")
         if self.count >= self.policy.max_queue_size:
             self._shed_for(slot)
         future = asyncio.get_running_loop().create_future()
-        entry = Entry(req, future, self._seq, rows, self._key_of(req), slot, now, self._timeout_at(req, now))
+        entry = Entry(req, future, self._seq, rows, self._key_of(req), slot, now, self._timeout_at(req, now, level))
         self._seq += 1
         self._queues[slot][0][entry.seq] = entry
         self.count += 1
@@ -139,11 +147,12 @@ class RequestQueue:
             return 0
         return (priority if 1 <= priority <= levels else self.policy.default_priority_level) - 1
 
-    def _timeout_at(self, req: InferRequest, now: float) -> float | None:
-        # Triton: a request may shorten the default queue timeout, never lengthen it.
-        timeout_us = self.policy.default_timeout_us
+    @staticmethod
+    def _timeout_at(req: InferRequest, now: float, level: QueuePolicy) -> float | None:
+        # Triton: a request may shorten its level's queue timeout, never lengthen it.
+        timeout_us = level.default_timeout_us
         shorter = req.timeout_us > 0 and (timeout_us == 0 or req.timeout_us < timeout_us)
-        if shorter and self.policy.allow_timeout_override:
+        if shorter and level.allow_timeout_override:
             timeout_us = req.timeout_us
         return now + timeout_us / 1e6 if timeout_us > 0 else None
 
@@ -186,6 +195,27 @@ class RequestQueue:
             entry.state = EntryState.RUNNING
         self.running += len(batch)
 
+    def requeue(self, batch: list[Entry]) -> None:
+        """Entries taken for a batch that was never sent go back to their places, timers and all."""
+        touched: set[tuple[int, bool]] = set()
+        for entry in batch:
+            if entry.state is not EntryState.RUNNING:
+                continue  # answered meanwhile (its deadline passed)
+            entry.state = EntryState.QUEUED
+            self.running -= 1
+            self._queues[entry.slot][entry.delayed][entry.seq] = entry
+            touched.add((entry.slot, entry.delayed))
+            self.count += 1
+            self.rows += entry.rows
+            for when, kind in ((entry.req.deadline, _DEADLINE), (entry.timeout_at, _TIMEOUT)):
+                if when is not None:  # a duplicate of a timer still in the heap acts once
+                    heapq.heappush(self._timers, (when, entry.seq, kind, entry))
+        for slot, delayed in touched:  # back in arrival order
+            queue = self._queues[slot][delayed]
+            ordered = sorted(queue.items())
+            queue.clear()
+            queue.update(ordered)
+
     def cancel(self, entry: Entry) -> None:
         """A queued entry whose caller went away leaves without an outcome."""
         self._unqueue(entry)
@@ -217,7 +247,7 @@ class RequestQueue:
                 self._unqueue(entry)
                 self.finish(entry, DeadlineExceeded(f"request '{entry.req.id}' deadline passed while queued"))
                 self.stats.expired += 1
-            elif self.policy.timeout_action == "DELAY":
+            elif self._level_policies[entry.slot].timeout_action == "DELAY":
                 normal, delayed = self._queues[entry.slot]
                 if normal.pop(entry.seq, None) is not None:
                     entry.delayed = True

@@ -5,7 +5,8 @@ rest of the gateway: :data:`Dispatch` (the executor's call that runs one
 batch), :class:`Capacity` (the router's view of one model's replicas),
 :class:`Clock` with :class:`LoopClock`, the event loop's clock that request
 deadlines use, and :class:`BatcherStats`, the counters the metrics exporter
-reads. Tests swap in fakes for the first three.
+reads, and :class:`NotSent`, which a dispatch raises when its batch could not
+start at once and was not sent. Tests swap in fakes for the first three.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ from typing import Protocol
 
 from gateway.types import InferRequest, InferResponse
 
-__all__ = ["BatcherStats", "Capacity", "Clock", "Dispatch", "LoopClock"]
+__all__ = ["BatcherStats", "Capacity", "Clock", "Dispatch", "LoopClock", "NotSent"]
 
 Dispatch = Callable[[list[InferRequest]], Awaitable[list[InferResponse]]]
+
+
+class NotSent(Exception):
+    """The batch was not sent: no replica could start it at once, and it was asked not to wait.
+
+    Raised before anything leaves the gateway; the batcher puts the requests
+    back in the queue, where their queue policy still applies.
+    """
 
 
 class Capacity(Protocol):
@@ -68,6 +77,7 @@ class BatcherStats:
     cancelled: int = 0  # the caller went away before its batch ran
     batches: int = 0
     pipelined: int = 0  # full batches sent to a busy replica's spare room
+    requeued: int = 0  # batches that found no replica free at once and went back to the queue
     batched_requests: int = 0
     batched_rows: int = 0
     failed_batches: int = 0

@@ -6,7 +6,8 @@ worker; membership sources are the static list (``membership``), DNS
 (``discovery``) and self-registration (``registry``, ``worker_reports``);
 ``placement``, ``rendezvous`` and ``demand`` keep models on workers;
 ``drain`` empties a worker; ``repository`` forwards the repository extension;
-``manager`` starts and stops these parts in order.
+``readiness`` says what the gateway is asked to serve and cannot (strict
+readiness); ``manager`` starts and stops these parts in order.
 
 May import: ``gateway.config``, ``gateway.types``, ``protos``, tritonclient's
 stubs; ``drain`` also serves its HTTP endpoints with the frontends' error

@@ -93,6 +93,8 @@ class WorkerState:
     model_control: str = ""
     # Models loaded here through the gateway: looked up by name when no list is readable.
     loaded: set[str] = field(default_factory=set)
+    # Models its index shows it was asked to serve and cannot (name -> why): strict readiness.
+    failed: dict[str, str] = field(default_factory=dict)
     # Serialises probes of this worker (the periodic loop and refresh()).
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

@@ -53,6 +53,8 @@ class ProbedWorker(Protocol):
     @property
     def unreadable(self) -> dict[str, str]: ...
 
+    failed: dict[str, str]
+
 
 async def check_health(client: WorkerClient, kind: str, timeout_s: float) -> None:
     """Raise ``Unavailable`` unless the worker can take work."""
@@ -70,6 +72,11 @@ async def ready_index(
 ) -> frozenset[tuple[str, str]]:
     """The worker's READY (name, version) pairs.
 
+    Also sets ``worker.failed``: the models its index shows it was asked to
+    serve and cannot (a failed load, a first load still running), with the
+    reason, for strict readiness. A model with any READY version, never
+    loaded, being unloaded or unloaded is not among them.
+
     From its repository index; for a Triton server also from its
     statistics, which list every loaded version (its index lists only the
     models in its repository directories, not those loaded with an
@@ -82,7 +89,7 @@ async def ready_index(
     client = worker.client
     ready: set[tuple[str, str]] = set()
     try:
-        entries = await client.repository_index(ready=True, timeout_s=timeout_s)
+        entries = await client.repository_index(ready=False, timeout_s=timeout_s)
     except WorkerUnreachable:
         raise
     except InferGateError as e:
@@ -91,6 +98,7 @@ async def ready_index(
     else:
         note_readable(worker, "repository_index")
         ready = {(e.name, e.version) for e in entries if e.state == "READY"}
+        worker.failed = _failed(entries, {name for name, _ in ready})
         readable = True
         if worker.kind != "triton":
             return frozenset(ready)
@@ -117,6 +125,15 @@ async def ready_index(
         if answer is True:
             ready.add(candidate)
     return frozenset(ready)
+
+
+def _failed(entries: Iterable[service_pb2.RepositoryIndexResponse.ModelIndex], ready: set[str]) -> dict[str, str]:
+    failed: dict[str, str] = {}
+    for e in entries:
+        if e.name in ready or e.state in ("", "READY", "UNLOADING") or e.reason == "unloaded":
+            continue
+        failed.setdefault(e.name, f"{e.state}: {e.reason}" if e.reason else e.state)
+    return failed
 
 
 def note_unreadable(worker: ProbedWorker, call: str, error: InferGateError) -> None:

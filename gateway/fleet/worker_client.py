@@ -1,7 +1,12 @@
 """The gateway's client for one KServe v2 gRPC server: an infergate worker or a
 real Triton Inference Server, spoken to through the same generated stubs.
 
-It owns the channel (one HTTP/2 connection, multiplexed by every caller), the
+It owns two channels to the worker, each its own HTTP/2 connection: the data
+channel carries inference and model loads (tensors and files, up to
+gigabytes), the control channel the small calls (health, metadata, index,
+config, statistics). A probe never waits behind a bulk transfer on a
+connection's flow-control window and write queue, so a worker busy receiving
+a large request still answers its probe in time. It also owns the
 per-call metadata and the one place where a worker's gRPC status becomes a
 ``protos.errors`` exception. Transport failures (refused, reset, closed
 connection) become :class:`WorkerUnreachable`, an ``Unavailable`` the router
@@ -15,6 +20,7 @@ a worker whose queue is full answers :class:`WorkerBusy`, an ``Overloaded``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
@@ -27,6 +33,9 @@ from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_cod
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 2**31 - 1
+# The two channels of a client: bulk calls, and the small calls probes make.
+_DATA = "data"
+_CONTROL = "control"
 
 # Codes a broken connection surfaces as. UNAVAILABLE is the usual one; a
 # connection torn down mid-call can also end as INTERNAL/UNKNOWN/CANCELLED.
@@ -112,20 +121,28 @@ class WorkerClient:
         ]
         # Made on first use: a grpc.aio channel belongs to the event loop it is
         # created on, and clients may be built before the gateway's loop runs.
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
         self._closed = False
 
-    def _service(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+    def _service(self, lane: str = _DATA) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._closed:
             raise WorkerUnreachable(f"worker {self.address}: client closed")
-        if self._stub is None:
+        stub = self._stubs.get(lane)
+        if stub is None:
+            # A channel of its own subchannel pool opens its own connection: two
+            # channels to one address would otherwise share one.
+            options = [*self._options, ("grpc.use_local_subchannel_pool", 1)]
             if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+                channel = grpc.aio.insecure_channel(self.address, options=options)
             else:
-                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
-            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
-        return self._stub
+                channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
+            self._channels[lane] = channel
+            stub = self._stubs[lane] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return stub
+
+    def _control(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        return self._service(_CONTROL)
 
     def __repr__(self) -> str:
         return f"WorkerClient({self.address!r}, kind={self.kind!r})"
@@ -134,31 +151,32 @@ class WorkerClient:
     def closed(self) -> bool:
         return self._closed
 
-    def connected(self) -> bool:
-        """Whether the channel holds a live connection right now (no I/O)."""
-        if self._channel is None:
+    def connected(self, lane: str = _DATA) -> bool:
+        """Whether the lane's channel holds a live connection right now (no I/O)."""
+        channel = self._channels.get(lane)
+        if channel is None:
             return False
-        return self._channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        return channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
 
     async def _call(
-        self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None
+        self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None, lane: str = _CONTROL
     ) -> _Resp:
         try:
             return await method(request, timeout=timeout_s, metadata=self._call_metadata)
         except grpc.aio.AioRpcError as e:
-            raise self._map_error(e) from None
+            raise self._map_error(e, lane) from None
         except grpc.aio.UsageError as e:
             # Raised when the channel was closed under a pending call.
             raise WorkerUnreachable(f"worker {self.address}: {e}") from None
 
-    def _map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
+    def _map_error(self, e: grpc.aio.AioRpcError, lane: str = _DATA) -> InferGateError:
         code = e.code()
         details = e.details() or code.name
         # A worker that answers UNAVAILABLE itself (model not ready, shutting
         # down) keeps its connection; a dead or unreachable one does not. The
         # channel leaves READY before the failed call is reported, so its
         # state tells the two apart without parsing messages.
-        if code in _TRANSPORT_CODES and (self._closed or not self.connected()):
+        if code in _TRANSPORT_CODES and (self._closed or not self.connected(lane)):
             return WorkerUnreachable(f"worker {self.address} unreachable: {details}")
         if code is grpc.StatusCode.UNAVAILABLE:
             # Triton answers each of these with UNAVAILABLE on a live connection,
@@ -180,44 +198,44 @@ class WorkerClient:
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
-        return await self._call(self._service().ModelInfer, request, timeout_s)
+        return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
 
     # ---- health and metadata ------------------------------------------------
 
     async def server_live(self, timeout_s: float | None = None) -> bool:
-        response = await self._call(self._service().ServerLive, service_pb2.ServerLiveRequest(), timeout_s)
+        response = await self._call(self._control().ServerLive, service_pb2.ServerLiveRequest(), timeout_s)
         return response.live
 
     async def server_ready(self, timeout_s: float | None = None) -> bool:
-        response = await self._call(self._service().ServerReady, service_pb2.ServerReadyRequest(), timeout_s)
+        response = await self._call(self._control().ServerReady, service_pb2.ServerReadyRequest(), timeout_s)
         return response.ready
 
     async def server_metadata(self, timeout_s: float | None = None) -> service_pb2.ServerMetadataResponse:
-        return await self._call(self._service().ServerMetadata, service_pb2.ServerMetadataRequest(), timeout_s)
+        return await self._call(self._control().ServerMetadata, service_pb2.ServerMetadataRequest(), timeout_s)
 
     async def model_ready(self, name: str, version: str = "", timeout_s: float | None = None) -> bool:
         request = service_pb2.ModelReadyRequest(name=name, version=version)
-        response = await self._call(self._service().ModelReady, request, timeout_s)
+        response = await self._call(self._control().ModelReady, request, timeout_s)
         return response.ready
 
     async def model_config(
         self, name: str, version: str = "", timeout_s: float | None = None
     ) -> model_config_pb2.ModelConfig:
         request = service_pb2.ModelConfigRequest(name=name, version=version)
-        response = await self._call(self._service().ModelConfig, request, timeout_s)
+        response = await self._call(self._control().ModelConfig, request, timeout_s)
         return response.config
 
     async def model_metadata(
         self, name: str, version: str = "", timeout_s: float | None = None
     ) -> service_pb2.ModelMetadataResponse:
         request = service_pb2.ModelMetadataRequest(name=name, version=version)
-        return await self._call(self._service().ModelMetadata, request, timeout_s)
+        return await self._call(self._control().ModelMetadata, request, timeout_s)
 
     async def model_statistics(
         self, name: str = "", version: str = "", timeout_s: float | None = None
     ) -> service_pb2.ModelStatisticsResponse:
         request = service_pb2.ModelStatisticsRequest(name=name, version=version)
-        return await self._call(self._service().ModelStatistics, request, timeout_s)
+        return await self._call(self._control().ModelStatistics, request, timeout_s)
 
     # ---- repository -----------------------------------------------------------
 
@@ -225,7 +243,7 @@ class WorkerClient:
         self, ready: bool = False, timeout_s: float | None = None
     ) -> list[service_pb2.RepositoryIndexResponse.ModelIndex]:
         request = service_pb2.RepositoryIndexRequest(ready=ready)
-        response = await self._call(self._service().RepositoryIndex, request, timeout_s)
+        response = await self._call(self._control().RepositoryIndex, request, timeout_s)
         return list(response.models)
 
     async def load(
@@ -237,7 +255,7 @@ class WorkerClient:
         request = service_pb2.RepositoryModelLoadRequest(model_name=name)
         for key, value in (parameters or {}).items():
             request.parameters[key].CopyFrom(value)
-        await self._call(self._service().RepositoryModelLoad, request, timeout_s)
+        await self._call(self._service().RepositoryModelLoad, request, timeout_s, _DATA)
 
     async def unload(
         self,
@@ -248,7 +266,7 @@ class WorkerClient:
         request = service_pb2.RepositoryModelUnloadRequest(model_name=name)
         for key, value in (parameters or {}).items():
             request.parameters[key].CopyFrom(value)
-        await self._call(self._service().RepositoryModelUnload, request, timeout_s)
+        await self._call(self._service().RepositoryModelUnload, request, timeout_s, _DATA)
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -257,5 +275,5 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
-        if self._channel is not None:
-            await self._channel.close(grace=grace_s)
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        await asyncio.gather(*(c.close(grace=grace_s) for c in channels))

@@ -1,7 +1,8 @@
 """The gateway's frontends: where client requests enter.
 
-HTTP/REST (``http_api`` with its body codec ``http_codec`` and the management
-endpoints' JSON ``http_json``) and gRPC
+HTTP/REST (``http_api`` with its body codec ``http_codec``, Triton's raw
+binary request form ``raw_binary`` and the management endpoints' JSON
+``http_json``) and gRPC
 (``grpc_api`` with its wire conversion ``grpc_wire`` and the undecodable-
 message guard ``grpc_guard``) decode a wire request into one
 ``gateway.types.InferRequest`` and encode the answer back; ``validation``

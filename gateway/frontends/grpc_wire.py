@@ -91,15 +91,22 @@ def decode_infer_request(
         shape = tuple(tensor.shape)  # int64 fields: already Python ints
         params = _tensor_parameters(tensor.parameters, "input", name)
         if raw:
-            if tensor.HasField("contents") and tensor.contents.ListFields():
-                raise InvalidArgument(f"input '{name}': contents must be empty when raw_input_contents is used")
+            if tensor.HasField("contents"):
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for '{name}' "
+                    f"for model '{pb.model_name}'"
+                )
             data: bytes = raw[index]
         else:
             data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
         inputs.append(Tensor(name, tensor.datatype, shape, data, params))
 
     outputs: list[RequestedOutput] = []
+    seen: set[str] = set()
     for o in pb.outputs:
+        if o.name in seen:  # as over HTTP, and as Triton refuses it
+            raise InvalidArgument(f"output '{o.name}' already exists in request")
+        seen.add(o.name)
         out_params = _tensor_parameters(o.parameters, "output", o.name)
         out_params.pop("binary_data", None)  # HTTP-only
         outputs.append(RequestedOutput(o.name, parameters=out_params))

@@ -9,7 +9,8 @@ an ``InferenceCore``. The JSON bodies of the management endpoints
 
 Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
-``/infer``, and ``/v2/repository/index``,
+``/infer`` (JSON, binary tensor data, or a raw binary body with
+``Inference-Header-Content-Length: 0``), and ``/v2/repository/index``,
 ``/v2/repository/models/{m}/load|unload``. The statistics endpoints take
 ``?workers=true`` to add a ``workers`` section: each worker's own statistics
 (Triton's or our worker's) beside the gateway's; without it the body is
@@ -49,6 +50,7 @@ from gateway.frontends.http_json import (
     repository_index_to_json,
     worker_statistics_json,
 )
+from gateway.frontends.raw_binary import decode_raw_request
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.types import InferenceCore
 from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable, Unsupported
@@ -233,7 +235,17 @@ class _HttpApi:
         header_length = _header_length(request)
         now = asyncio.get_running_loop().time()  # the request's `timeout` counts from here
         body = await self._read_body(request)
-        decoded = decode_infer_request(body, header_length, model=name, version=version, now=now)
+        if header_length == 0:
+            # Triton's raw binary request: the body is the one input's data.
+            decoded = decode_raw_request(
+                body,
+                model=name,
+                version=version,
+                metadata=self._core.model_metadata(name, version),
+                config=self._core.model_config(name, version),
+            )
+        else:
+            decoded = decode_infer_request(body, header_length, model=name, version=version, now=now)
         # The HTTP counterpart of a gRPC deadline (Triton defines none): milliseconds from arrival.
         apply_timeout_header(decoded.request, request.headers.get(TIMEOUT_HEADER), now)
         _request_id.set(decoded.request.id)

@@ -36,8 +36,8 @@ class DecodedInfer:
     """An inference request off the wire, plus how its outputs go back."""
 
     request: InferRequest
-    # Request-level `binary_data_output`: the default for outputs that do not
-    # say `binary_data` themselves (tritonclient sets it when no outputs are named).
+    # Request-level `binary_data_output`: how outputs go back when the request
+    # names none (tritonclient sets it then); named outputs say `binary_data` themselves.
     binary_data_output: bool
 
 
@@ -126,9 +126,9 @@ def decode_infer_request(
     seen: set[str] = set()
     offset = 0
     for index, item in enumerate(raw_inputs):
-        tensor, offset = _decode_input(item, index, binary, offset)
+        tensor, offset = _decode_input(item, index, binary, offset, model)
         if tensor.name in seen:
-            raise InvalidArgument(f"input '{tensor.name}' is given more than once")
+            raise InvalidArgument(f"input '{tensor.name}' already exists in request")
         seen.add(tensor.name)
         inputs.append(tensor)
     if offset != len(binary):
@@ -152,7 +152,7 @@ def decode_infer_request(
     return DecodedInfer(request=request, binary_data_output=binary_out)
 
 
-def _decode_input(item: Any, index: int, binary: memoryview, offset: int) -> tuple[Tensor, int]:
+def _decode_input(item: Any, index: int, binary: memoryview, offset: int, model: str) -> tuple[Tensor, int]:
     if not isinstance(item, dict):
         raise InvalidArgument(f"inputs[{index}] must be an object, got {_json_type(item)}")
     name = item.get("name")
@@ -184,7 +184,7 @@ def _decode_input(item: Any, index: int, binary: memoryview, offset: int) -> tup
                 "data remain after the JSON header (is Inference-Header-Content-Length right?)"
             )
         data: Buffer = binary[offset:end]
-        codec.validate_raw(datatype, shape, data, name=name)
+        codec.validate_raw(datatype, shape, data, name=name, model=model)
         offset = end
     else:
         data = _json_to_raw(datatype, shape, item["data"], name)
@@ -214,7 +214,7 @@ def _decode_outputs(raw: Any) -> list[RequestedOutput]:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"outputs[{index}] needs a non-empty string 'name'")
         if name in seen:
-            raise InvalidArgument(f"output '{name}' is requested more than once")
+            raise InvalidArgument(f"output '{name}' already exists in request")
         seen.add(name)
         params = _parameters(item.get("parameters"), f"output '{name}'")
         if "classification" in params:
@@ -271,11 +271,12 @@ def _json_type(value: Any) -> str:
 def encode_infer_response(response: InferResponse, decoded: DecodedInfer) -> EncodedInfer:
     """The REST body of ``response``: outputs as JSON ``data`` or binary parts.
 
-    An output goes binary when its requested output says ``binary_data: true``,
-    or says nothing and the request set ``binary_data_output: true``.
+    As in Triton's server: when the request lists outputs, each goes binary
+    only when it says ``binary_data: true`` itself; the request-level
+    ``binary_data_output`` decides for every output only when none is listed.
     """
     wanted = {o.name: o.binary_data for o in decoded.request.outputs}
-    default_binary = decoded.binary_data_output
+    default_binary = decoded.binary_data_output and not wanted
     out_json: list[dict[str, Any]] = []
     parts: list[Buffer] = []
     for tensor in response.outputs:

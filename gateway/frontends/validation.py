@@ -116,7 +116,7 @@ def validate_request(
                 f"unexpected shape for input '{tensor.name}' for model '{model}'. "
                 f"Expected {_fmt(want)}, got {_fmt(got)}"
             )
-        codec.validate_raw(tensor.datatype, tensor.shape, tensor.data, name=tensor.name)
+        codec.validate_raw(tensor.datatype, tensor.shape, tensor.data, name=tensor.name, model=model)
 
     if max_batch > 0 and batch_dims:
         if len(batch_dims) > 1:

@@ -1,7 +1,9 @@
 """The cluster API: what the gateway knows about its workers and models, as JSON.
 
 - ``GET /v2/cluster``: every worker (address, kind, state ``ready`` /
-  ``down`` / ``draining``, devices with memory, models, routing load) and
+  ``ejected`` / ``down`` / ``draining``, devices with memory, models, routing
+  load; an ejected worker's ``ejection``: since and until when, as Unix
+  times, why, and its circuit ``OPEN`` or ``HALF_OPEN`` on trial) and
   every model (versions, READY replicas, queue depth). Polled every few
   seconds by the dashboard.
 - ``GET /v2/cluster/stats``: the live per-model counters (requests, failures,
@@ -157,16 +159,34 @@ class DeviceMonitor:
             await session.close()
 
 
+def ejections(gateway: Gateway) -> dict[str, dict[str, Any]]:
+    """The workers whose circuit is not closed: since and until when (Unix times), why."""
+    now = time.time()
+    return {
+        h.address: {"circuit": h.state, "since": now - h.ejected_ago_s, "until": now + h.ejected_for_s,
+                    "reason": h.reason, "ejections": h.ejections}
+        for h in gateway.router.outliers.snapshot() if h.state != "CLOSED"
+    }
+
+
+def worker_state(state: str, ejection: dict[str, Any] | None) -> str:
+    """``ejected`` for a READY worker out of rotation; else the cluster's state, lower case."""
+    return "ejected" if ejection is not None and state == "READY" else state.lower()
+
+
 def cluster_view(gateway: Gateway, devices: DeviceMonitor) -> dict[str, Any]:
     """The ``/v2/cluster`` document."""
     load = {w.address: w for w in gateway.router.worker_stats()}
+    ejected = ejections(gateway)
     workers = []
     for w in gateway.cluster.workers():
         counters = load.get(w.address)
+        ejection = ejected.get(w.address)
         workers.append({
             "address": w.address,
             "kind": w.kind,
-            "state": w.state.name.lower(),
+            "state": worker_state(w.state.name, ejection),
+            "ejection": ejection,
             "devices": devices.devices(w.address),
             "models": sorted(w.models),
             # Batches of each model the worker executes at once (its served config).
@@ -225,8 +245,10 @@ def cluster_stats(gateway: Gateway) -> dict[str, Any]:
             "latency_counts": hist.counts if hist else [],
             "latency_sum_s": hist.sum if hist else 0.0,
         })
+    ejected = ejections(gateway)
     workers = [
-        {"address": w.address, "state": w.state.lower(), "inflight": w.inflight, "sent": w.sent,
+        {"address": w.address, "state": worker_state(w.state, ejected.get(w.address)), "inflight": w.inflight,
+         "sent": w.sent,
          "failures": w.failures, "retries": w.retries}
         for w in gateway.router.worker_stats()
     ]

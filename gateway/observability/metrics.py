@@ -152,10 +152,22 @@ class GatewayCollector(Collector):
                                   labels=["worker", "state"])
         inflight = GaugeMetricFamily("infergate_worker_inflight_batches", "Batches in flight on the worker", labels=label)
         sent = CounterMetricFamily("infergate_worker_batches", "Batches sent to the worker", labels=label)
-        failures = CounterMetricFamily("infergate_worker_failures", "Batches that failed on the worker (any error)", labels=label)
+        failures = CounterMetricFamily("infergate_worker_failures", "Batches that failed on the worker by its own fault", labels=label)
         retries = CounterMetricFamily("infergate_worker_retries", "Batches that failed on the worker and were retried elsewhere",
                                       labels=label)
         models = GaugeMetricFamily("infergate_worker_models", "Models the worker serves", labels=label)
+        ejected = GaugeMetricFamily("infergate_worker_ejected", "1 while the worker is ejected (circuit open or on trial)",
+                                    labels=label)
+        ejections = CounterMetricFamily(
+            "infergate_worker_ejections", "Times the worker was ejected, by reason (failures, latency, trial)",
+            labels=["worker", "reason"])
+        # Every worker and reason, zeros included, so a rate() has a series before the first ejection.
+        outliers = self._gw.router.outliers
+        counts = outliers.ejections_total()
+        for address in sorted({w.address for w in self._gw.cluster.workers()} | {a for a, _ in counts}):
+            for reason in outliers.ejection_reasons:
+                ejections.add_metric([address, reason], counts.get((address, reason), 0))
+        circuits = {h.address: h.state for h in self._gw.router.outliers.snapshot()}
         by_address = {w.address: w for w in self._gw.cluster.workers()}
         for w in self._gw.router.worker_stats():
             for name in ("READY", "DOWN", "DRAINING"):
@@ -166,7 +178,8 @@ class GatewayCollector(Collector):
             retries.add_metric([w.address], w.retries)
             ws = by_address.get(w.address)
             models.add_metric([w.address], len(ws.models) if ws is not None else 0)
-        yield from (state, inflight, sent, failures, retries, models)
+            ejected.add_metric([w.address], 0 if circuits.get(w.address, "CLOSED") == "CLOSED" else 1)
+        yield from (state, inflight, sent, failures, retries, models, ejected, ejections)
 
     def _cluster(self) -> Iterator[Metric]:
         replicas = GaugeMetricFamily("infergate_model_replicas", "READY workers serving the model", labels=["model"])

@@ -16,6 +16,11 @@ its work runs as shard models on workers::
         pipeline_parallel: 2
         replicas: 2
         max_batch_size: 8             # batches along dim 0 (a bare file has no config to say so)
+      recognizer_tp2:
+        from: recognizer
+        tensor_parallel: 2
+        input_shapes: {image: "batch,3,48,width:320"}   # as `infergate split --input-shape`
+        input_values: {sr: sr16k.npy}                    # as --input-values (relative to the config file)
 
 Signature, in order of preference: the source model as the workers serve it
 (so ``encoder_tp2`` answers metadata exactly as ``encoder`` does), else the
@@ -37,6 +42,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from gateway.config import ConfigError
 from gateway.fleet.cluster import ModelInfo
 from splitter.plan import Plan
+from splitter.sizes import InputHints, load_values, parse_dims
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +67,21 @@ class LogicalSpec:
     replicas: int
     max_inflight: int  # batches in flight at once (0 = derived from the layout)
     max_batch_size: int | None
+    input_shapes: tuple[tuple[str, tuple[int | str | tuple[str, int], ...]], ...] = ()
+    input_values: tuple[tuple[str, str], ...] = ()  # input -> .npy path
 
     @classmethod
     def from_settings(cls, name: str, settings: Mapping[str, Any]) -> LogicalSpec:
         mbs = settings.get("max_batch_size")
+        shapes = settings.get("input_shapes") or {}
+        values = settings.get("input_values") or {}
+        if not isinstance(shapes, Mapping) or not isinstance(values, Mapping):
+            raise ParallelConfigError(f"models.{name}: input_shapes and input_values map input names to "
+                                      "dims (\"batch,3,48,width:320\" or a list) and to .npy files")
+        try:
+            parsed = tuple((str(k), parse_dims(v)) for k, v in shapes.items())
+        except ValueError as e:
+            raise ParallelConfigError(f"models.{name}.input_shapes: {e}") from None
         return cls(
             name=name,
             source=str(settings.get("from") or ""),
@@ -75,7 +92,17 @@ class LogicalSpec:
             replicas=int(settings.get("replicas", 1)),
             max_inflight=int(settings.get("max_inflight", 0)),
             max_batch_size=None if mbs is None else int(mbs),
+            input_shapes=parsed,
+            input_values=tuple((str(k), str(v)) for k, v in values.items()),
         )
+
+    def hints(self) -> InputHints:
+        """The declared input shapes and values, for the splitter (reads the .npy files: blocking I/O)."""
+        try:
+            values = {k: load_values(k, Path(path)) for k, path in self.input_values}
+        except ValueError as e:
+            raise ParallelConfigError(f"models.{self.name}.input_values: {e}") from None
+        return InputHints(dict(self.input_shapes), values)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import onnx
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.assembly import Sender
 from gateway.config import GatewayConfig
@@ -65,6 +65,7 @@ from gateway.parallel.shard_placement import ShardPlacer
 from protos.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable
 from splitter.execute import PlanExecutor
 from splitter.layout_split import LayoutSplit, split_layout
+from splitter.sizes import config_shapes
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,9 @@ class ParallelModels:
     async def _prepare(self, spec: LogicalSpec, current: ServedModel | None) -> ServedModel:
         source_bytes, repo_config = await asyncio.to_thread(read_source, spec, self._config.model_repository)
         try:
-            layout = await asyncio.to_thread(self._split, spec, source_bytes)
+            layout = await asyncio.to_thread(self._split, spec, source_bytes, repo_config)
+        except ParallelConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - whatever stops the split is this model's configuration problem
             raise ParallelConfigError(f"models.{spec.name}: cannot split {spec.source or spec.path}: {e}") from None
         files = {name: layout.result.model_bytes(name) for name in layout.result.models}
@@ -272,9 +275,11 @@ class ParallelModels:
         return served
 
     @staticmethod
-    def _split(spec: LogicalSpec, source: bytes) -> LayoutSplit:
+    def _split(spec: LogicalSpec, source: bytes, repo_config: model_config_pb2.ModelConfig | None) -> LayoutSplit:
         model = onnx.load_from_string(source)
-        return split_layout(model, spec.tensor_parallel, spec.pipeline_parallel, name=spec.name)
+        declared = config_shapes(repo_config) if repo_config is not None else None
+        return split_layout(model, spec.tensor_parallel, spec.pipeline_parallel, name=spec.name,
+                            hints=spec.hints(), declared=declared)
 
     # ---- placement -------------------------------------------------------------
 

@@ -8,6 +8,14 @@ the replica the router picks. Then, while the call lives:
   answered UNAVAILABLE, its connection broke, it dropped the model) is retried
   on another replica after a jittered backoff, within ``retry_limit``, the
   retry budget and the deadline (``gateway.routing.retry_budget``);
+* an attempt the worker failed with INTERNAL is a *suspect*: the failure may
+  be the worker's or the batch's. It counts against no one until one
+  confirming attempt on another replica decides: served there, the first
+  worker is charged (a failure that does not reproduce is the worker's); the
+  same failure there makes it the request's fault (``InvalidArgument``, with
+  the cause; no worker charged). With no other replica, or no budget for the
+  confirming attempt, the call answers the INTERNAL with its cause, and no
+  one is charged. Request faults (any other final error) never count;
 * an attempt silent past the model's hang threshold is reported to the
   outlier detector as a failure and a second attempt starts beside it on
   another replica; with hedging on, one also starts after the hedge delay
@@ -35,7 +43,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from gateway.routing.hedging import AttemptPolicy
-from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +64,15 @@ class AttemptFailed(Exception):
 
     ``worker_fault`` is False when the failure says nothing about the worker's
     health (it dropped one model): the call retries, the worker's circuit is untouched.
+    ``suspect`` marks a failure that is the worker's or the batch's (INTERNAL):
+    one confirming attempt on another replica tells which.
     """
 
-    def __init__(self, error: InferGateError, *, worker_fault: bool = True) -> None:
+    def __init__(self, error: InferGateError, *, worker_fault: bool = True, suspect: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
-        self.worker_fault = worker_fault
+        self.worker_fault = worker_fault and not suspect
+        self.suspect = suspect
 
 
 @dataclass(slots=True, eq=False)
@@ -107,6 +118,8 @@ class AttemptRace(Generic[_W, _R]):
         self._failures = 0
         self._last_failed: _W | None = None
         self._last_error: InferGateError | None = None
+        # Suspect failures (INTERNAL) awaiting their confirming attempt: (worker, error).
+        self._suspects: list[tuple[_W, InferGateError]] = []
         # While the first attempt runs inline: it, the caller's task, its timer, and a winner.
         self._inline: _Attempt[_W] | None = None
         self._caller: asyncio.Task[object] | None = None
@@ -220,6 +233,8 @@ class AttemptRace(Generic[_W, _R]):
                                            f"{self._failures} failed attempts") from None
                 if not isinstance(error, AttemptFailed):
                     raise error
+                if error.suspect and len(self._suspects) > 1:
+                    raise self._judged()
             # Attempts that hung are not waited on: with no other left, retry beside them.
             if all(a.hung for a in self._pending.values()):
                 await self._retry()
@@ -229,10 +244,14 @@ class AttemptRace(Generic[_W, _R]):
         policy, model, failures = self._policy, self._model, self._failures
         worker, error = self._last_failed, self._last_error
         where = getattr(worker, "address", "?")
+        if self._suspects and failures > policy.retry_limit:
+            raise self._suspects[-1][1]
         if failures > policy.retry_limit:
             log.warning("model %s: giving up after %d attempts, last on %s: %s", model, failures, where, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request ({failures} attempts)")
         if not policy.budget.try_acquire():
+            if self._suspects:  # no confirming attempt: the cause goes back, no one is charged
+                raise self._suspects[-1][1]
             log.warning("model %s: retry budget spent (%d extra attempts in flight); not retrying after: %s",
                         model, policy.budget.counters().extra_inflight, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request; retries are "
@@ -247,6 +266,9 @@ class AttemptRace(Generic[_W, _R]):
             log.info("model %s: retrying batch after failure on %s: %s", model, where, error)
             await policy.clock.sleep(delay_s)
             replica = await self._acquire(self._tried | {a.worker for a in self._pending.values()})
+            if self._suspects and replica in self._tried:
+                # No other replica to confirm on: answer the failure with its cause, charge no one.
+                raise self._suspects[-1][1]
             if self._deadline is not None and policy.clock.now() >= self._deadline:
                 raise DeadlineExceeded(f"deadline exceeded for model '{model}' after {failures} failed attempts")
         except BaseException:
@@ -288,6 +310,7 @@ class AttemptRace(Generic[_W, _R]):
         elif error is None:
             policy.outliers.succeeded(address, self._model, elapsed, attempt.trial)
             policy.latency.observe(self._model, elapsed)
+            self._charge_suspects(attempt.worker)
         elif isinstance(error, AttemptFailed):
             if error.worker_fault:
                 policy.outliers.failed(address, str(error.error), attempt.trial)
@@ -296,10 +319,31 @@ class AttemptRace(Generic[_W, _R]):
             self._failures += 1
             self._tried.add(attempt.worker)
             self._last_failed, self._last_error = attempt.worker, error.error
-        elif isinstance(error, Internal):
-            policy.outliers.failed(address, str(error), attempt.trial)
+            if error.suspect:
+                self._suspects.append((attempt.worker, error.error))
         else:  # the request's own fault or its deadline: says nothing about the worker
             policy.outliers.abandoned(address, self._model, elapsed, attempt.trial)
+
+    def _charge_suspects(self, served_by: _W) -> None:
+        """Another replica served the batch: the suspect failures were their workers' own."""
+        suspects, self._suspects = self._suspects, []
+        for worker, error in suspects:
+            if worker is served_by:
+                continue
+            worker.failures += 1  # type: ignore[attr-defined]
+            self._policy.outliers.failed(worker.address, f"{error} (another replica served the batch)")
+
+    def _judged(self) -> InferGateError:
+        """Two replicas failed the batch: the same failure is the request's fault."""
+        (first, error), (second, again) = self._suspects[0], self._suspects[-1]
+        self._suspects = []
+        if type(error) is type(again) and error.message == again.message:
+            log.info("model %s: the batch failed the same way on %s and %s: the request's fault: %s",
+                     self._model, first.address, second.address, error)
+            return InvalidArgument(f"{error.message} (the same failure on 2 replicas: the request cannot run)")
+        log.warning("model %s: the batch failed differently on %s (%s) and %s (%s)",
+                    self._model, first.address, error, second.address, again)
+        return again
 
     def _next_wake(self) -> float | None:
         times = [t for a in self._pending.values() for t in (a.hedge_at, a.hang_at) if t is not None]

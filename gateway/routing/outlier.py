@@ -49,6 +49,10 @@ _LATENCY_WINDOW = 16
 _JUDGE_EVERY = 4
 
 
+# Why a worker was ejected, as counted (``infergate_worker_ejections_total{reason}``).
+EJECTION_REASONS = ("failures", "latency", "trial")
+
+
 class CircuitState(enum.Enum):
     CLOSED = "CLOSED"  # in rotation
     OPEN = "OPEN"  # ejected until ejected_until
@@ -94,6 +98,7 @@ class WorkerHealth:
     ejections: int  # ejections since the count last started over
     ejected_for_s: float  # time left in the current ejection (0 unless OPEN)
     reason: str  # why it was last ejected
+    ejected_ago_s: float = 0.0  # how long ago the current ejection began (0 when CLOSED)
 
 
 @dataclass(slots=True)
@@ -118,6 +123,7 @@ class _Circuit:
     consecutive_failures: int = 0
     ejections: int = 0
     ejected_until: float = 0.0
+    ejected_at: float = 0.0
     closed_since: float = -math.inf  # when the circuit last closed after an ejection
     trials: int = 0
     reason: str = ""
@@ -127,10 +133,14 @@ class _Circuit:
 class OutlierDetector:
     """Per-worker circuits keyed by worker address."""
 
+    ejection_reasons = EJECTION_REASONS
+
     def __init__(self, settings: OutlierSettings | None = None, *, clock: Callable[[], float] | None = None) -> None:
         self.settings = settings or OutlierSettings()
         self._now = clock or time.monotonic
         self._circuits: dict[str, _Circuit] = {}
+        # Ejections ever made, by (address, kind): kind is "failures", "latency" or "trial".
+        self._ejections_total: dict[tuple[str, str], int] = {}
 
     # ---- membership (from the cluster) ---------------------------------------
 
@@ -205,12 +215,12 @@ class OutlierDetector:
             return
         if circuit.state is CircuitState.HALF_OPEN:
             if trial:
-                self._eject(circuit, f"trial attempt failed: {reason}", force=True)
+                self._eject(circuit, f"trial attempt failed: {reason}", "trial", force=True)
             return
         circuit.consecutive_failures += 1
         limit = self.settings.consecutive_failures
         if limit and circuit.consecutive_failures >= limit:
-            self._eject(circuit, f"{circuit.consecutive_failures} consecutive failures, last: {reason}")
+            self._eject(circuit, f"{circuit.consecutive_failures} consecutive failures, last: {reason}", "failures")
 
     def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False) -> None:
         """The attempt was cancelled (a faster attempt won, or its caller left): no verdict.
@@ -231,14 +241,20 @@ class OutlierDetector:
         return CircuitState.CLOSED if circuit is None else circuit.state
 
     def snapshot(self) -> list[WorkerHealth]:
-        now = self._now()
+        # The clock is read only when a time is shown: with every circuit closed none is.
+        now = self._now() if any(c.state is not CircuitState.CLOSED for c in self._circuits.values()) else 0.0
         return [
             WorkerHealth(
                 c.address, c.state.name, c.consecutive_failures, c.ejections,
                 max(0.0, c.ejected_until - now) if c.state is CircuitState.OPEN else 0.0, c.reason,
+                now - c.ejected_at if c.state is not CircuitState.CLOSED else 0.0,
             )
             for c in self._circuits.values()
         ]
+
+    def ejections_total(self) -> dict[tuple[str, str], int]:
+        """Ejections ever made, by (worker address, kind: failures, latency or trial); a copy."""
+        return dict(self._ejections_total)
 
     def max_ejected(self) -> int:
         """How many of the workers that are up may be ejected at once."""
@@ -284,9 +300,9 @@ class OutlierDetector:
         mine = stats.median_s()
         if mine > factor * reference and mine - reference > self.settings.latency_min_excess_s:
             self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms "
-                                 f"against a median of {reference * 1e3:.1f} ms on its peers")
+                                 f"against a median of {reference * 1e3:.1f} ms on its peers", "latency")
 
-    def _eject(self, circuit: _Circuit, reason: str, *, force: bool = False) -> None:
+    def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False) -> None:
         """Open the circuit; unless ``force`` (a failed trial), only within the ejection share."""
         now = self._now()
         if not force:
@@ -301,6 +317,9 @@ class OutlierDetector:
         duration = min(self.settings.max_ejection_s, self.settings.base_ejection_s * circuit.ejections)
         circuit.state = CircuitState.OPEN
         circuit.ejected_until = now + duration
+        circuit.ejected_at = now
+        key = (circuit.address, kind)
+        self._ejections_total[key] = self._ejections_total.get(key, 0) + 1
         circuit.consecutive_failures = 0
         circuit.reason = reason
         log.warning("worker %s ejected for %.1fs (ejection %d): %s", circuit.address, duration, circuit.ejections, reason)

@@ -22,7 +22,10 @@ brings it back. A worker that refuses because its queue is full
 model map lists means that replica dropped the model (unloaded, or a Triton
 server shutting down, which unloads before it exits): it leaves the model's
 rotation and the batch goes to another replica, or, with none left, the error
-goes back unchanged. Any other error passes through unchanged: inference is
+goes back unchanged. INTERNAL is a suspect: the worker's fault or the
+batch's, told apart by one confirming attempt on another replica (see
+``gateway.routing.attempts``). Any other error is the request's own and
+passes through unchanged, charged to no worker. Inference is
 idempotent, so a retry never answers a request twice, and the caller answers
 each request exactly once.
 
@@ -45,14 +48,14 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import service_pb2
 
-from gateway.batching.seams import Clock, LoopClock
+from gateway.batching.seams import Clock, LoopClock, NotSent
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
 from gateway.routing.hedging import AttemptPolicy, HedgeSettings, LatencyTracker
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import Backoff, RetryBudget
-from protos.errors import DeadlineExceeded, InferGateError, ModelNotFound, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +193,23 @@ class Router:
         ]
 
     async def infer(
-        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
+        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None,
+        *, wait_for_slot: bool = True,
     ) -> service_pb2.ModelInferResponse:
         """Send ``request`` to a replica of ``model``; retries, hedges and hangs: ``gateway.routing.attempts``.
 
         ``deadline`` is absolute, on the event loop's clock; None means none.
+        ``wait_for_slot=False``: when no replica can start it at once (a free
+        execution slot), raise ``NotSent`` instead of waiting
+        for a slot -- the batcher keeps its requests under their queue policy.
         """
+        first: WorkerState | None = None
+        if not wait_for_slot:
+            replicas = self.cluster.healthy(model, version)
+            if replicas:  # none at all: the race below fails fast with Unavailable
+                first = self._pick(replicas, model, set(), busy=True)
+                if first is None:
+                    raise NotSent(f"no replica of model '{model}' can start a batch now")
         capacity = self.capacity(model, version)
         capacity.starting += 1
         starting = True
@@ -206,9 +220,16 @@ class Router:
                 starting = False
                 capacity.starting -= 1
 
+        async def acquire(avoid: set[WorkerState]) -> WorkerState:
+            nonlocal first
+            if first is not None:  # picked above, with no await since: its slot is still free
+                worker, first = first, None
+                return worker
+            return await self._acquire(model, version, deadline, avoid)
+
         race: AttemptRace[WorkerState, service_pb2.ModelInferResponse] = AttemptRace(
             self.attempts, model, deadline,
-            acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
+            acquire=acquire,
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
             send=lambda worker: self._attempt(worker, model, version, request, deadline, slot_taken),
         )
@@ -253,9 +274,11 @@ class Router:
             if not any(w is not worker for w in self.cluster.healthy(model, version)):
                 raise
             raise AttemptFailed(e, worker_fault=False) from None
+        except Internal as e:
+            # The worker's fault or the batch's: a confirming attempt elsewhere tells (gateway.routing.attempts).
+            raise AttemptFailed(e, suspect=True) from None
         except InferGateError:
-            worker.failures += 1
-            raise
+            raise  # the request's own fault, or its deadline: nothing against the worker
         finally:
             worker.inflight -= 1
             self._slot_freed(worker)
@@ -317,16 +340,20 @@ class Router:
                 free += limit - w.inflight
         return free
 
-    def _below_max(self, workers: Sequence[WorkerState], model: str) -> list[WorkerState]:
-        return [w for w in workers if w.inflight < self.limits(w, model)[1]]
+    def _below(self, workers: Sequence[WorkerState], model: str, *, busy: bool = False) -> list[WorkerState]:
+        """The workers below their max (or, with ``busy``, their busy) bound for ``model``."""
+        which = 0 if busy else 1
+        return [w for w in workers if w.inflight < self.limits(w, model)[which]]
 
     def _try_pick(self, model: str, version: str, avoid: set[WorkerState]) -> WorkerState | None:
         """A replica outside ``avoid`` with a free slot and a closed circuit, now or None (second attempts)."""
         pool = [w for w in self.cluster.healthy(model, version) if w not in avoid]
-        candidates = self._below_max(self._usable(pool), model)
+        candidates = self._below(self._usable(pool), model)
         return self._least_loaded(candidates, model) if candidates else None
 
-    def _pick(self, replicas: Sequence[WorkerState], model: str, tried: set[WorkerState]) -> WorkerState | None:
+    def _pick(
+        self, replicas: Sequence[WorkerState], model: str, tried: set[WorkerState], *, busy: bool = False
+    ) -> WorkerState | None:
         # A retry goes to a replica not tried yet while one is healthy, even if
         # it has to wait for its slot; tried ones are reused only when none is left.
         # Ejected replicas are skipped while any other can serve; with every
@@ -337,7 +364,8 @@ class Router:
             or (self._usable(replicas) if tried else [])
             or [w for w in replicas if w.state is WorkerStatus.READY]
         )
-        candidates = self._below_max(usable, model)
+        # busy: only a replica with a free execution slot (the batch starts at once).
+        candidates = self._below(usable, model, busy=busy)
         if not candidates:
             return None
         return self._least_loaded(candidates, model)

@@ -79,9 +79,10 @@ class SteadyLoad:
         rows: int = 1,
         prefix: str = "req",
         priority: int = 0,
+        host: str = "127.0.0.1",
     ) -> None:
-        self._target = f"127.0.0.1:{grpc_port}"
-        self._http = f"http://127.0.0.1:{http_port}"
+        self._target = f"{host}:{grpc_port}"
+        self._http = f"http://{host}:{http_port}"
         self._clients = [("grpc", i) for i in range(grpc_clients)] + [("http", i) for i in range(http_clients)]
         self._timeout_s = timeout_s
         self._rows = rows

@@ -9,6 +9,20 @@ only awaits the pool.
 Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
 provider *and* the CUDA driver reports a device (see ``workers.devices``);
 otherwise the CPU provider runs everything.
+
+Strings: ONNX Runtime's string tensors hold text. BYTES inputs arrive as
+numpy object arrays of ``bytes``, which ONNX Runtime would stringify as their
+Python repr (``"b'A'"``), so each element is decoded as UTF-8 first; an
+element that is not valid UTF-8 is the request's fault and is refused naming
+the input and the element. String outputs come back as ``str`` and are
+encoded as UTF-8 by the codec, so text round-trips byte for byte.
+
+Failures: ONNX Runtime reports a kernel's refusal of its inputs (a ``Cast``
+of ``"abc"`` to a number, an index out of range) as INVALID_ARGUMENT or
+RUNTIME_EXCEPTION; both depend on the request's values alone, so they are
+the request's fault (400 / INVALID_ARGUMENT) and carry ONNX Runtime's
+message. Resource failures (memory, the CUDA device) and any other error are
+the server's, and carry their cause too.
 """
 
 from __future__ import annotations
@@ -22,11 +36,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
 from workers.backends.base import BackendOptions, Placement
+from workers.backends.run_errors import classify_run_error
 from workers.devices import cpu_count, cuda_device_count
 
 logger = logging.getLogger(__name__)
@@ -38,6 +52,8 @@ DEFAULT_MODEL_FILENAME = "model.onnx"
 DEFAULT_MAX_BATCH_SIZE = 4
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
+# Words in an ONNX Runtime error that mark a failure of the server's resources,
+# not of the request's values.
 
 _CONFIG_TYPES: dict[int, int] = {
     onnx.TensorProto.BOOL: mc.TYPE_BOOL,
@@ -76,10 +92,13 @@ def default_intra_op_threads(cores: int, device: str) -> int:
 class OnnxInstance:
     """One ONNX Runtime session, run on the backend's shared thread pool."""
 
-    def __init__(self, session: ort.InferenceSession, placement: Placement, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, session: ort.InferenceSession, placement: Placement, executor: ThreadPoolExecutor, model: str = ""
+    ) -> None:
         self.placement = placement
         self._session = session
         self._executor = executor
+        self._model = model
 
     async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
@@ -89,11 +108,11 @@ class OnnxInstance:
         session = self._session
         if session is None:  # closed by a forced unload while this call was queued
             raise InvalidArgument("model instance was unloaded")
+        feeds = {name: _text_feed(array, name, self._model) for name, array in inputs.items()}
         try:
-            values = session.run(output_names, dict(inputs))
-        except ort_errors.InvalidArgument as exc:
-            # Bad values the checks upstream cannot see (e.g. an index out of range).
-            raise InvalidArgument(f"onnx runtime error: {exc}") from None
+            values = session.run(output_names, feeds)
+        except Exception as exc:  # ONNX Runtime's status exceptions: the request's fault or the server's
+            raise classify_run_error(exc, self._model) from None
         return dict(zip(output_names, values))
 
     def close(self) -> None:
@@ -200,10 +219,38 @@ class OnnxBackend:
         if placement.kind == "cuda" and _CUDA not in used:
             logger.warning("model %s: CUDA provider unavailable for %s, running on %s", config.name, placement, used)
         logger.debug("model %s version %s: session on %s (%s)", config.name, version_dir.name, placement, used)
-        return OnnxInstance(session, placement, self._executor)
+        return OnnxInstance(session, placement, self._executor, model=config.name)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _text_feed(array: np.ndarray, name: str, model: str) -> np.ndarray:
+    """``array`` as ONNX Runtime takes it: object arrays of bytes become arrays of UTF-8 ``str``."""
+    if array.dtype != np.object_:
+        return array
+    items = array.reshape(-1).tolist()
+    try:
+        texts = [item if isinstance(item, str) else item.decode("utf-8") for item in items]
+    except UnicodeDecodeError:
+        index = next(i for i, item in enumerate(items) if not _is_utf8(item))
+        raise InvalidArgument(
+            f"input '{name}' for model '{model}': BYTES element {index} is not valid UTF-8; "
+            "ONNX Runtime string tensors hold UTF-8 text only (send arbitrary bytes as UINT8)"
+        ) from None
+    out = np.empty(len(texts), dtype=np.object_)
+    out[:] = texts
+    return out.reshape(array.shape)
+
+
+def _is_utf8(item: bytes | str) -> bool:
+    if isinstance(item, str):
+        return True
+    try:
+        item.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _read_graph(path: Path) -> onnx.GraphProto:

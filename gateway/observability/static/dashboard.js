@@ -353,7 +353,7 @@
 
   const workersTable = new Table("workers", [
     { label: "Address", text: (w) => w.address, sort: (w) => w.address },
-    { label: "State", badge: true, text: (w) => w.state, sort: (w) => w.state, cls: (w) => "state-" + w.state, title: (w) => w.last_error || "" },
+    { label: "State", badge: true, text: (w) => w.state, sort: (w) => w.state, cls: (w) => "state-" + w.state, title: (w) => w.why || "" },
     { label: "Kind", text: (w) => w.kind, sort: (w) => w.kind },
     { label: "Models", num: true, text: (w) => String(w.models.length), sort: (w) => w.models.length, title: (w) => w.models.join(", ") },
     { label: "In flight", num: true, text: (w) => String(w.inflight), sort: (w) => w.inflight },
@@ -504,6 +504,15 @@
     drawCharts();
   }
 
+  // An ejected worker's badge says why and until when; a down one, its last probe error.
+  function whyState(w) {
+    const e = w.ejection;
+    if (w.state !== "ejected" || !e) return w.last_error || "";
+    const until = new Date(e.until * 1000).toLocaleTimeString();
+    const since = new Date(e.since * 1000).toLocaleTimeString();
+    return `ejected since ${since} until ${until} (circuit ${e.circuit}): ${e.reason}`;
+  }
+
   function renderWorkers() {
     if (!state.cluster) return;
     workersTable.update(state.cluster.workers.map((w) => {
@@ -514,7 +523,7 @@
         state: w.state,
         kind: w.kind,
         models: w.models,
-        last_error: w.last_error,
+        why: whyState(w),
         inflight: live ? live.inflight : w.load.inflight_batches,
         failures: live ? live.failures : w.load.failures,
         retries: live ? live.retries : w.load.retries,

@@ -124,7 +124,7 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
      {}, 400, "INT32"),
     ("data and binary", orjson.dumps({"inputs": [{"name": "X", "datatype": "INT8", "shape": [1], "data": [1],
                                                   "parameters": {"binary_data_size": 1}}]}), {}, 400, "exactly one"),
-    ("duplicate input", orjson.dumps({"inputs": [VALID["inputs"][0], VALID["inputs"][0]]}), {}, 400, "more than once"),
+    ("duplicate input", orjson.dumps({"inputs": [VALID["inputs"][0], VALID["inputs"][0]]}), {}, 400, "input 'X' already exists in request"),
     ("header length not int", orjson.dumps(VALID), {"Inference-Header-Content-Length": "abc"}, 400,
      "Inference-Header-Content-Length"),
     ("header length lies", orjson.dumps(VALID), {"Inference-Header-Content-Length": "100000"}, 400,
@@ -153,7 +153,7 @@ BAD_REQUESTS += [
     ("binary trailing", *binary_body(_FP32_DOC, b"\0" * 12), 400, "no input claims"),
     ("binary size vs shape", *binary_body(
         {"inputs": [{"name": "X", "datatype": "FP32", "shape": [3], "parameters": {"binary_data_size": 8}}]},
-        b"\0" * 8), 400, "expected 12 bytes"),
+        b"\0" * 8), 400, "input byte size mismatch for input 'X' for model 'echo'. Expected 12, got 8"),
     ("binary without header", orjson.dumps(_FP32_DOC), {}, 400, "binary_data_size is 8"),
     ("bytes prefix lies", *binary_body(
         {"inputs": [{"name": "S", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 6}}]},

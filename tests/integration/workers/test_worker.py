@@ -266,7 +266,7 @@ def test_wrong_byte_count_is_invalid_argument(
     with pytest.raises(grpc.RpcError) as info:
         stub.ModelInfer(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "expected 64 bytes" in info.value.details()
+    assert "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, got 60" in info.value.details()
     good_simple(client)
 
 
@@ -442,7 +442,9 @@ def test_explicit_mode_loads_only_named_models_and_stops_promptly(model_repo: Pa
     try:
         with grpcclient.InferenceServerClient(worker_url(proc)) as client:
             rows = {m["name"]: m.get("state", "") for m in client.get_model_repository_index(as_json=True)["models"]}
-            assert rows == {"simple": "READY", "mlp": "", "cnn": "", "encoder": ""}
+            assert rows == {
+                "simple": "READY", "mlp": "", "cnn": "", "encoder": "", "identity_string": "", "string_to_int": ""
+            }
             good_simple(client)
             with pytest.raises(InferenceServerException) as info:
                 client.infer("mlp", infer_inputs(example_inputs("mlp", 1)))

@@ -14,7 +14,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from infergate.cli import main as cli_main
 from models.build import D_MODEL, MAX_SEQ_LEN, VOCAB_SIZE, build_repository
 
-EXPECTED_NAMES = ["simple", "mlp", "cnn", "encoder"]
+NUMERIC_NAMES = ["simple", "mlp", "cnn", "encoder"]
+STRING_NAMES = ["identity_string", "string_to_int"]
+EXPECTED_NAMES = NUMERIC_NAMES + STRING_NAMES
 
 # name -> (max_batch_size, dynamic_batching, inputs, outputs); tensors as (name, type, dims).
 EXPECTED_CONFIGS: dict[str, tuple[int, bool, list[tuple[str, int, list[int]]], list[tuple[str, int, list[int]]]]] = {
@@ -27,6 +29,8 @@ EXPECTED_CONFIGS: dict[str, tuple[int, bool, list[tuple[str, int, list[int]]], l
     "mlp": (64, True, [("INPUT", mc.TYPE_FP32, [64])], [("OUTPUT", mc.TYPE_FP32, [10])]),
     "cnn": (32, True, [("IMAGE", mc.TYPE_FP32, [3, 32, 32])], [("PROBS", mc.TYPE_FP32, [10])]),
     "encoder": (16, True, [("TOKENS", mc.TYPE_INT64, [-1])], [("HIDDEN", mc.TYPE_FP32, [-1, D_MODEL])]),
+    "identity_string": (0, False, [("INPUT0", mc.TYPE_STRING, [-1])], [("OUTPUT0", mc.TYPE_STRING, [-1])]),
+    "string_to_int": (8, True, [("INPUT0", mc.TYPE_STRING, [1])], [("OUTPUT0", mc.TYPE_INT64, [1])]),
 }
 
 NUMPY_DTYPES = {mc.TYPE_INT32: np.int32, mc.TYPE_INT64: np.int64, mc.TYPE_FP32: np.float32}
@@ -97,7 +101,7 @@ def test_config_fields(repo: Path, name: str) -> None:
     assert not config.instance_group  # the server picks its instances
 
 
-@pytest.mark.parametrize("name", EXPECTED_NAMES)
+@pytest.mark.parametrize("name", NUMERIC_NAMES)
 def test_graph_matches_config_and_runs(repo: Path, name: str) -> None:
     model = onnx.load(str(repo / name / "1" / "model.onnx"))
     onnx.checker.check_model(model, full_check=True)
@@ -125,6 +129,16 @@ def test_graph_matches_config_and_runs(repo: Path, name: str) -> None:
         alone = session.run(None, {k: v[row : row + 1] for k, v in feeds.items()})
         for batched, single in zip(results, alone):
             np.testing.assert_allclose(batched[row : row + 1], single, rtol=1e-5, atol=1e-5)
+
+
+def test_string_models_run(repo: Path) -> None:
+    for name in STRING_NAMES:
+        onnx.checker.check_model(onnx.load(str(repo / name / "1" / "model.onnx")), full_check=True)
+    words = np.array(["", "A", "h\u00e9llo", "\u65e5\u672c"], dtype=np.object_)
+    (same,) = _session(repo, "identity_string").run(None, {"INPUT0": words})
+    assert same.tolist() == words.tolist()
+    (numbers,) = _session(repo, "string_to_int").run(None, {"INPUT0": np.array([["42"], ["-7"]], dtype=np.object_)})
+    assert numbers.dtype == np.int64 and numbers.tolist() == [[42], [-7]]
 
 
 def test_simple_math(repo: Path) -> None:

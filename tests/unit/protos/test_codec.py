@@ -244,14 +244,19 @@ def test_every_truncation_of_bytes_is_rejected(items: list[bytes], data: st.Data
 def test_validate_raw_messages() -> None:
     with pytest.raises(codec.CodecError) as info:
         codec.validate_raw("FP32", [1, 64], b"\0" * 255, name="X")
-    assert str(info.value) == "input 'X': expected 256 bytes for FP32 [1,64], got 255"
-    with pytest.raises(codec.CodecError, match=r"^output 'Y': expected 0 bytes for INT64 \[0,3\], got 8$"):
+    assert str(info.value) == "input byte size mismatch for input 'X'. Expected 256, got 255 (FP32 [1,64] takes 256 bytes)"
+    with pytest.raises(codec.CodecError) as info:
+        codec.validate_raw("FP32", [1, 64], b"\0" * 255, name="X", model="mlp")
+    assert str(info.value).startswith("input byte size mismatch for input 'X' for model 'mlp'. Expected 256, got 255")
+    with pytest.raises(codec.CodecError, match=r"^output byte size mismatch for output 'Y'. Expected 0, got 8 "):
         codec.validate_raw("INT64", [0, 3], b"\0" * 8, name="Y", role="output")
+    with pytest.raises(codec.CodecError, match=r"^byte size overflow for input 'Z' for model 'm': FP32 \[4611686018427387904,64\]"):
+        codec.validate_raw("FP32", [2**62, 64], b"", name="Z", model="m")
     with pytest.raises(codec.CodecError, match=r"^tensor: BYTES \[1\] has 1 bytes after its 1 elements$"):
         codec.validate_raw("BYTES", [1], b"\0\0\0\0x")
     with pytest.raises(codec.CodecError, match="ends after 1 of 2 elements"):
         codec.validate_raw("BYTES", [2], b"\0\0\0\0")
-    with pytest.raises(codec.CodecError, match=r"expected 16 bytes for FP64 \[2\], got 8"):
+    with pytest.raises(codec.CodecError, match=r"^byte size mismatch for tensor. Expected 16, got 8 \(FP64 \[2\]"):
         codec.decode("FP64", [2], b"\0" * 8)
 
 
@@ -347,9 +352,6 @@ def test_raw_to_json_non_utf8_bytes() -> None:
         ("FP32", [1], ["1.0"], "FP32 data must be numbers"),
         ("FP32", [1], [None], "must be numbers"),
         ("BOOL", [2], [1, 0], "BOOL data must be true or false"),
-        ("FP32", [3], [[1, 2], [3]], "ragged nested list"),
-        ("FP32", [3], [1, 2], r"expected 3 elements for FP32 \[3\], got 2"),
-        ("BYTES", [2], ["a"], r"expected 2 elements for BYTES \[2\], got 1"),
         ("BYTES", [1], [1], "BYTES element 0 must be a string, got int"),
         ("FP32", [1], {"a": 1}, "'data' must be a list, got dict"),
     ],
@@ -358,6 +360,49 @@ def test_json_errors(datatype: str, shape: list[int], data: object, message: str
     with pytest.raises(codec.CodecError, match=message) as info:
         json_codec.json_to_raw(datatype, shape, data, name="in")
     assert str(info.value).startswith("input 'in': ")
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "data", "got"),
+    [("FP32", [3], [1, 2], 2), ("FP32", [3], [[1, 2], [3, 4]], 4), ("BYTES", [2], ["a"], 1), ("BYTES", [1], [["a", "b"]], 2)],
+)
+def test_json_element_count_mismatch_in_tritons_words(datatype: str, shape: list[int], data: object, got: int) -> None:
+    with pytest.raises(codec.CodecError) as info:
+        json_codec.json_to_raw(datatype, shape, data, name="in")
+    count = shape[0]
+    assert str(info.value) == (
+        "Failed to parse 'data' field: shape does not match true shape of 'data' field for input 'in': "
+        f"expected {count} elements for {datatype} [{count}], got {got}"
+    )
+
+
+def _nested(depth: int, values: list[object]) -> list[object]:
+    data: list[object] = values
+    for _ in range(depth - 1):
+        data = [data]
+    return data
+
+
+@pytest.mark.parametrize("depth", [1, 32, 33, 64, 100])
+def test_json_nesting_is_accepted_to_depth_100(depth: int) -> None:
+    assert json_codec.json_to_raw("INT32", [2], _nested(depth, [1, 2])) == np.array([1, 2], np.int32).tobytes()
+    assert json_codec.json_to_raw("BYTES", [1], _nested(depth, ["x"])) == b"\x01\0\0\0x"
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "BYTES"])
+def test_json_nesting_deeper_than_100_is_refused(datatype: str) -> None:
+    value: object = "x" if datatype == "BYTES" else 1.0
+    for data in (_nested(101, [value]), [value, _nested(101, [value])]):  # rectangular, and ragged
+        with pytest.raises(codec.CodecError, match=r"JSON nesting depth exceeds maximum allowed limit \(100\)$"):
+            json_codec.json_to_raw(datatype, [1], data, name="in")
+    # Far deeper than Python's recursion limit: still a clear error.
+    with pytest.raises(codec.CodecError, match="nesting depth"):
+        json_codec.json_to_raw(datatype, [1], _nested(5000, [value]), name="in")
+
+
+def test_ragged_json_is_read_in_row_major_order_as_triton_does() -> None:
+    raw = json_codec.json_to_raw("FP32", [3], [[1, 2], [3]], name="in")
+    assert np.frombuffer(raw, np.float32).tolist() == [1.0, 2.0, 3.0]
 
 
 # --- batching -------------------------------------------------------------------
@@ -396,7 +441,7 @@ def test_split_rows_errors() -> None:
         codec.split_rows("FP32", [4, 2], raw, [5, -1])
     with pytest.raises(codec.CodecError, match="scalar"):
         codec.split_rows("FP32", [], raw[:4], [1])
-    with pytest.raises(codec.CodecError, match=r"expected 32 bytes for FP32 \[4,2\], got 31"):
+    with pytest.raises(codec.CodecError, match=r"Expected 32, got 31 \(FP32 \[4,2\]"):
         codec.split_rows("FP32", [4, 2], raw[:-1], [2, 2])
     good = codec.serialize_bytes_tensor(np.array([b"a", b"bb"], dtype=object))
     with pytest.raises(codec.CodecError, match="claims 2 bytes but only 1 remain"):

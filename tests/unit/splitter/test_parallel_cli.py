@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
 from infergate.cli import main
 from splitter import Plan
-from tests.fixtures import split_graphs
+from tests.fixtures import model_families, split_graphs
 
 
 @pytest.fixture
@@ -53,3 +54,35 @@ def test_errors_exit_two(model_path: Path, tmp_path: Path, capsys: pytest.Captur
     assert "cannot cut into 99 stages" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["split", str(model_path), "--tp", "2", "--pp", "2", "-o", str(tmp_path / "o")])
+
+
+def test_declared_shapes_and_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "vad.onnx"
+    onnx.save(model_families.recurrent(), str(model))
+    np.save(tmp_path / "sr.npy", np.array(model_families.SAMPLE_RATE, dtype=np.int64))
+    assert main(["split", str(model), "--tp", "2", "-o", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "Reshape" in err and "--input-values" in err and "sr" in err
+    args = ["split", str(model), "--tp", "2", "-o", str(tmp_path / "out"), "--verify",
+            "--input-shape", "audio=batch,samples:256", "--input-values", f"sr={tmp_path / 'sr.npy'}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "probed at: batch=2, samples=256" in out
+    verified = [line for line in out.splitlines() if line.startswith("verify on audio")]
+    assert len(verified) >= 2 and any("audio[1, 256]" in line for line in verified), out
+    assert "verify: " in out and ": OK" in out
+    assert main([*args[:-4], "--input-shape", "audio=batch"]) == 2
+    assert "1 dims given, the model's input has 2" in capsys.readouterr().err
+
+
+def test_typical_sizes_from_the_repository_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "repo" / "rec" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    onnx.save(model_families.recognizer(), str(path))
+    (path.parent.parent / "config.pbtxt").write_text(
+        'name: "rec"\nmax_batch_size: 4\ninput { name: "image" data_type: TYPE_FP32 dims: [3, 48, 320] }\n')
+    assert main(["split", str(path), "--pp", "2", "-o", str(tmp_path / "out"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "image[" in out and ", 48, 320]" in out, out
+    plan = Plan.from_json((tmp_path / "out" / "plan.json").read_bytes())
+    assert plan.shards()[1].inputs[0].shape == (-1, -1, 240)

@@ -4,10 +4,12 @@ collectives, failure handling."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
 
+from protos.errors import InvalidArgument, Unavailable
 from splitter import LocalShards, PlanExecutor, Shard, split_tensor_parallel
 from splitter.plan import Boundary, Collective, Plan, Segment, TensorSpec
 from splitter.probe import cpu_session
@@ -120,3 +122,32 @@ async def test_local_sessions_run_a_real_split_concurrently() -> None:
     for k, out in zip((1.0, 2.0), outs):
         (want,) = session.run(["y"], {"x": x * k})
         assert np.max(np.abs(out["y"] - want)) < 1e-4
+
+
+class FailingRanks(FakeRanks):
+    """Every rank of segment 1 fails, each with its own error, at the same time."""
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__()
+        self.errors = errors
+
+    async def __call__(self, shard: Shard, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if shard.name in self.errors:
+            raise self.errors[shard.name]
+        return await super().__call__(shard, inputs)
+
+
+async def test_every_failing_rank_is_heard(caplog: pytest.LogCaptureFixture) -> None:
+    unhandled: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    runner = FailingRanks({"s1r0": Unavailable("worker a lost"), "s1r1": Unavailable("worker b lost")})
+    with pytest.raises(Unavailable) as info:
+        await PlanExecutor(hand_plan(), runner).run({"x": np.ones((2, 4), dtype=np.float32)})
+    assert str(info.value) == "rank 0: worker a lost; rank 1: worker b lost"
+    same = FailingRanks({"s1r0": InvalidArgument("bad row"), "s1r1": InvalidArgument("bad row")})
+    with pytest.raises(InvalidArgument, match="^bad row$"):
+        await PlanExecutor(hand_plan(), same).run({"x": np.ones((2, 4), dtype=np.float32)})
+    del info, runner, same
+    gc.collect()  # an exception never retrieved is reported when its task is collected
+    assert not unhandled, unhandled

@@ -49,11 +49,20 @@ def test_good_request_passes_with_every_output() -> None:
     assert checked.output_names == ["OUTPUT0", "OUTPUT1"]
 
 
-def test_requested_outputs_are_honoured_in_order_without_duplicates() -> None:
+def test_requested_outputs_are_honoured_in_order() -> None:
+    request = simple_request()
+    for name in ("OUTPUT1", "OUTPUT0"):
+        request.outputs.add(name=name)
+    assert check_request(SIMPLE, request).output_names == ["OUTPUT1", "OUTPUT0"]
+
+
+def test_duplicate_requested_outputs_are_refused_as_triton_does() -> None:
     request = simple_request()
     for name in ("OUTPUT1", "OUTPUT1"):
         request.outputs.add(name=name)
-    assert check_request(SIMPLE, request).output_names == ["OUTPUT1"]
+    with pytest.raises(InferGateError, match="^output 'OUTPUT1' already exists in request") as info:
+        check_request(SIMPLE, request)
+    assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _rename(r: service_pb2.ModelInferRequest) -> None:
@@ -135,7 +144,7 @@ def test_byte_count_must_match_the_shape() -> None:
     request = simple_request()
     check_request(SIMPLE, request)
     request.raw_input_contents[1] = request.raw_input_contents[1][:-4]
-    with pytest.raises(InferGateError, match="expected 128 bytes for INT32 \\[2,16\\], got 124") as info:
+    with pytest.raises(InferGateError, match=r"input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 128, got 124 \(INT32 \[2,16\]") as info:
         decode_inputs(SIMPLE, request)
     assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
 

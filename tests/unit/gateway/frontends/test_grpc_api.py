@@ -63,7 +63,18 @@ def test_raw_contents_must_cover_every_input() -> None:
 def test_contents_beside_raw_contents_rejected() -> None:
     pb = _raw_request(A=np.zeros(1, np.int32))
     pb.inputs[0].contents.int_contents.append(0)
-    with pytest.raises(InvalidArgument, match="contents must be empty"):
+    with pytest.raises(InvalidArgument) as info:
+        decode_infer_request(pb)
+    assert str(info.value) == (
+        f"contents field must not be specified when using raw_input_contents for 'A' for model '{pb.model_name}'"
+    )
+
+
+def test_duplicate_requested_outputs_rejected() -> None:
+    pb = _raw_request(A=np.zeros(1, np.int32))
+    pb.outputs.add(name="Y")
+    pb.outputs.add(name="Y")
+    with pytest.raises(InvalidArgument, match="^output 'Y' already exists in request$"):
         decode_infer_request(pb)
 
 

@@ -143,7 +143,14 @@ def test_all_json_when_nothing_asks_for_binary() -> None:
 
 def test_binary_by_default_with_per_output_override() -> None:
     response = _response()
-    encoded = encode_infer_response(response, _decoded([RequestedOutput("B", binary_data=False)], True, "q"))
+    # A listed output without binary_data is JSON: binary_data_output only decides when none is listed.
+    encoded = encode_infer_response(
+        response, _decoded([RequestedOutput("A"), RequestedOutput("B", binary_data=False)], True, "q")
+    )
+    assert orjson.loads(encoded.header)["outputs"][0]["data"] == [1.5, 2.5]
+    encoded = encode_infer_response(
+        response, _decoded([RequestedOutput("A", binary_data=True), RequestedOutput("B", binary_data=False)], True, "q")
+    )
     assert encoded.parts[0] is response.outputs[0].data  # appended as is, not copied
     assert encoded.header_length == len(encoded.header)
     doc = orjson.loads(encoded.header)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import time
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
@@ -21,6 +22,7 @@ from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, clus
 from gateway.observability.latency import LATENCY_BUCKETS_S, LatencyHistograms
 from gateway.observability.metrics import BATCH_SIZE_BUCKETS, GatewayCollector, batch_size_counts, triton_failure_reason
 from gateway.observability.stats import GatewayStats
+from gateway.routing.outlier import OutlierDetector, OutlierSettings
 from gateway.routing.router import Router
 from serverkit.prometheus import render_text
 
@@ -256,3 +258,28 @@ async def test_device_monitor_refreshes_in_the_background_when_stale(monkeypatch
         assert monitor.devices("w1") == []
     finally:
         await monitor.close()
+
+
+def test_an_ejected_worker_shows_as_ejected_everywhere(gw: FakeGateway) -> None:
+    now = [1000.0]
+    gw.cluster.workers()[1].state = WorkerStatus.READY  # two workers up: one may be ejected
+    gw.router.outliers = OutlierDetector(OutlierSettings(consecutive_failures=2, base_ejection_s=30), clock=lambda: now[0])
+    gw.router.outliers.sync((w.address, True) for w in gw.cluster.workers())
+    for _ in range(2):
+        gw.router.outliers.failed("10.0.0.1:8001", "connection reset")
+    now[0] += 10
+    before = time.time()
+    view = cluster_view(gw, DeviceMonitor())  # type: ignore[arg-type]
+    workers = {w["address"]: w for w in view["workers"]}
+    ejected = workers["10.0.0.1:8001"]
+    assert ejected["state"] == "ejected" and workers["10.0.0.2:8001"]["state"] == "ready"
+    assert ejected["ejection"]["circuit"] == "OPEN" and "connection reset" in ejected["ejection"]["reason"]
+    assert ejected["ejection"]["since"] <= before - 9 and ejected["ejection"]["until"] >= before + 19
+    assert workers["10.0.0.2:8001"]["ejection"] is None
+    stats = {w["address"]: w["state"] for w in cluster_stats(gw)["workers"]}  # type: ignore[arg-type]
+    assert stats["10.0.0.1:8001"] == "ejected"
+    text = render_text([GatewayCollector(gw)]).decode()  # type: ignore[arg-type]
+    assert 'infergate_worker_ejections_total{reason="failures",worker="10.0.0.1:8001"} 1' in text
+    assert 'infergate_worker_ejected{worker="10.0.0.1:8001"} 1' in text
+    assert 'infergate_worker_ejected{worker="10.0.0.2:8001"} 0' in text
+    assert 'infergate_worker_ejections_total{reason="latency",worker="10.0.0.1:8001"} 0' in text

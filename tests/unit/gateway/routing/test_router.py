@@ -12,6 +12,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
+from gateway.batching.seams import NotSent
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.worker_client import WorkerBusy, WorkerClient, WorkerUnreachable
 from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
@@ -252,7 +253,7 @@ async def test_non_retryable_error_passes_through() -> None:
         with pytest.raises(InvalidArgument, match="unexpected shape"):
             await router.infer("m", "", request(), None)
         assert len(fleet["b:1"].infer_calls) == 0
-        assert a.failures == 1 and a.retries == 0 and a.state is WorkerStatus.READY
+        assert a.failures == 0 and a.retries == 0 and a.state is WorkerStatus.READY  # the request's fault
         assert a.inflight == 0
     finally:
         await cluster.stop()
@@ -412,7 +413,7 @@ async def test_worker_client_error_mapping(
     code: grpc.StatusCode, connected: bool, expected: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = WorkerClient("127.0.0.1:1", headers={"Triton-Access-Token": "t"})
-    monkeypatch.setattr(client, "connected", lambda: connected)
+    monkeypatch.setattr(client, "connected", lambda lane="data": connected)
     try:
         error = client._map_error(grpc.aio.AioRpcError(code, details="boom"))
         assert type(error) is expected
@@ -434,7 +435,7 @@ async def test_worker_client_maps_a_refusal_with_a_hint_to_busy(
     details: str, trailing: tuple[tuple[str, str], ...], retry_after_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = WorkerClient("127.0.0.1:1")
-    monkeypatch.setattr(client, "connected", lambda: True)
+    monkeypatch.setattr(client, "connected", lambda lane="data": True)
     try:
         metadata = grpc.aio.Metadata(*trailing)
         error = client._map_error(grpc.aio.AioRpcError(
@@ -461,5 +462,23 @@ async def test_expired_deadline_is_not_sent() -> None:
             await router.infer("m", "", request(), loop.time() - 0.001)
         worker = cluster.workers()[0]
         assert fleet["a:1"].infer_calls == [] and (worker.sent, worker.failures, worker.inflight) == (0, 0, 0)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_call_that_may_not_wait_goes_only_to_an_idle_replica() -> None:
+    """``wait_for_slot=False`` (a model under a queue timeout): a replica that is busy but has room
+    does not take the batch -- ``NotSent``, nothing sent, no slot held -- an idle one does."""
+    cluster, fleet = await started("a:1", "b:1")
+    router = Router(cluster, max_inflight_per_replica=2, busy_inflight_per_replica=1)
+    a, b = cluster.workers()
+    try:
+        a.inflight = b.inflight = 1
+        with pytest.raises(NotSent):
+            await router.infer("m", "", request(), None, wait_for_slot=False)
+        assert router.capacity("m").starting == 0
+        assert sum(len(f.infer_calls) for f in fleet.by_address.values()) == 0
+        b.inflight = 0
+        assert (await router.infer("m", "", request(), None, wait_for_slot=False)).id == "b:1"
     finally:
         await cluster.stop()
