@@ -371,10 +371,11 @@ class Router:
         return self._least_loaded(candidates, model)
 
     def _least_loaded(self, candidates: Sequence[WorkerState], model: str) -> WorkerState:
-        # Load = batches in flight beyond the execution slots: a replica with more
-        # slots takes more batches before it counts as loaded as a smaller one.
-        def load(w: WorkerState) -> int:
-            return w.inflight - self.limits(w, model)[0]
+        # Load = batches in flight per execution slot: a replica with more slots takes
+        # more batches before it counts as loaded as a smaller one, and idle replicas
+        # (load 0) stay equals, so light load is shared whatever their sizes.
+        def load(w: WorkerState) -> float:
+            return w.inflight / self.limits(w, model)[0]
 
         if len(candidates) > P2C_THRESHOLD:
             a, b = self._rng.sample(candidates, 2)

@@ -55,3 +55,15 @@ async def test_a_replica_with_free_slots_is_preferred_over_a_busy_one() -> None:
         a.inflight = b.inflight = 0
         await cluster.stop()
 
+
+
+async def test_idle_replicas_share_light_load_whatever_their_slots() -> None:
+    cluster, _ = await started("a:1", "b:1")
+    router = Router(cluster, rng=random.Random(5))
+    a, b = cluster.workers()
+    with_slots(cluster, "a:1", 4)
+    try:
+        picks = {router._pick(cluster.healthy("m"), "m", set()) for _ in range(40)}
+        assert picks == {a, b}  # both idle: equals, chosen at random
+    finally:
+        await cluster.stop()
