@@ -244,12 +244,14 @@ class ExampleModel:
     build: Callable[[], onnx.ModelProto]
     max_batch_size: int
     dynamic_batching: bool
+    # `response_cache { enable: true }`: answered from the gateway's cache when it has one (--cache-size).
+    response_cache: bool = False
 
 
 EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("simple", build_simple, max_batch_size=8, dynamic_batching=False),
     ExampleModel("mlp", build_mlp, max_batch_size=64, dynamic_batching=True),
-    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True),
+    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True, response_cache=True),
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
     ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
     ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
@@ -286,6 +288,8 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
         )
     if example.dynamic_batching:
         config.dynamic_batching.SetInParent()
+    if example.response_cache:
+        config.response_cache.enable = True
     # KIND_AUTO: a GPU when one is usable, else the CPU, for Triton and our workers alike.
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     return config
