@@ -246,12 +246,15 @@ class ExampleModel:
     dynamic_batching: bool
     # `response_cache { enable: true }`: answered from the gateway's cache when it has one (--cache-size).
     response_cache: bool = False
+    # A `model_warmup` sample of random data (batch 1) that the worker runs before the model is READY.
+    warmup: bool = False
 
 
 EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("simple", build_simple, max_batch_size=8, dynamic_batching=False),
     ExampleModel("mlp", build_mlp, max_batch_size=64, dynamic_batching=True),
-    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True, response_cache=True),
+    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True, response_cache=True,
+                 warmup=True),
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
     ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
     ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
@@ -290,6 +293,11 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
         config.dynamic_batching.SetInParent()
     if example.response_cache:
         config.response_cache.enable = True
+    if example.warmup:
+        sample = config.model_warmup.add(name="random", batch_size=1 if batched else 0, count=1)
+        for spec in config.input:
+            sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(data_type=spec.data_type, dims=spec.dims,
+                                                                    random_data=True))
     # KIND_AUTO: a GPU when one is usable, else the CPU, for Triton and our workers alike.
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     return config
