@@ -14,6 +14,7 @@ command). Below, one package per concern:
 - ``security``: API keys, TLS, the frontends' access checks;
 - ``observability``: statistics, Prometheus metrics, cluster API, dashboard;
 - ``caching``: the response cache (Triton's ``response_cache``);
+- ``ensembles``: Triton ensembles, each step a request through the core;
 - ``parallel``: serving split models (plans come from ``splitter``).
 
 May import: ``protos``, ``serverkit``, ``splitter``; never ``workers``,

@@ -20,6 +20,8 @@ from gateway.batching.assembly import build_batch_request, split_batch_response
 from gateway.batching.batcher import Batcher, BatchPolicy
 from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled, fill_statistics
 from gateway.config import GatewayConfig
+from gateway.ensembles.plan import is_ensemble
+from gateway.ensembles.runner import Ensembles
 from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
@@ -95,6 +97,8 @@ class Gateway:
         self.stats = GatewayStats()
         # Triton's response cache, for models whose config enables it (off at cache_size 0).
         self.cache = ResponseCache(config.cache_size)
+        # Ensembles (platform "ensemble"): each step runs as a request of its own through _infer.
+        self.ensembles = Ensembles(self._infer)
         # End-to-end latency distribution per model, for /metrics and the dashboard.
         self.latency = LatencyHistograms()
         self._batchers: dict[tuple[str, str], Batcher] = {}
@@ -220,7 +224,9 @@ class Gateway:
         deadline = now + timeout_s
         request.deadline = deadline if request.deadline is None else min(deadline, request.deadline)
         request.rows = rows
-        self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
+        ensemble = is_ensemble(info.config)
+        if not ensemble:  # an ensemble is placed through its steps
+            self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
         miss: Lookup | None = None
         if self.cache.enabled and cache_enabled(info.config):
             # A hit is answered here: it never reaches a batcher, so batches hold only misses.
@@ -231,11 +237,17 @@ class Gateway:
                 self.latency.observe(request.model, version, total_s)
                 return found
             miss = found
-        batcher = await self._batcher(request.model, version, info.config)
         try:
-            # However long its batch runs for others, a request is answered by its deadline:
-            # the batcher keeps each request's deadline on its one timer heap, queued or running.
-            response = await batcher.submit(request)
+            if ensemble:
+                # Each step is a request of its own through this path; the deadline set above covers them all.
+                response = await self.ensembles.run(self.ensembles.plan(info.config), request)
+                request.dispatched = started
+                self.stats.record_execution(request.model, version, rows, _ns(time.monotonic() - started))
+            else:
+                batcher = await self._batcher(request.model, version, info.config)
+                # However long its batch runs for others, a request is answered by its deadline:
+                # the batcher keeps each request's deadline on its one timer heap, queued or running.
+                response = await batcher.submit(request)
         except InferGateError as e:
             self._cache_failed(miss)
             self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
@@ -315,9 +327,26 @@ class Gateway:
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
-            self._model(name, version)
+            info, _ = self._model(name, version)
         except ModelNotFound:
             return False
+        return not is_ensemble(info.config) or self._steps_ready(info.config)
+
+    def _steps_ready(self, config: model_config_pb2.ModelConfig, depth: int = 0) -> bool:
+        """An ensemble is ready when every step is (nested ensembles included, to a sane depth)."""
+        if depth > 8:
+            return False
+        try:
+            plan = self.ensembles.plan(config)
+        except InvalidArgument:
+            return False
+        for model, version in plan.step_models():
+            try:
+                info, _ = self._model(model, version)
+            except (ModelNotFound, Unavailable):
+                return False
+            if is_ensemble(info.config) and not self._steps_ready(info.config, depth + 1):
+                return False
         return True
 
     def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:

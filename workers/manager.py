@@ -3,6 +3,9 @@ override), reloading, unloading, lookups for requests, the repository index
 and statistics.
 
 Rules, as in Triton:
+- An ensemble (``platform: "ensemble"``) is run by the gateway, not here: its
+  versions hold the config and no instance, so the index, ModelConfig and
+  ModelMetadata report it and ModelInfer refuses it (UNIMPLEMENTED).
 - A new version runs its ``model_warmup`` samples (``workers.warmup``) on
   every instance before it is installed: READY means warmed up.
 - A reload builds the new versions first and swaps them in at once; the old
@@ -52,6 +55,8 @@ from workers.repository import (
 )
 
 logger = logging.getLogger(__name__)
+
+ENSEMBLE_PLATFORM = "ensemble"
 
 
 class ModelState(enum.Enum):
@@ -289,6 +294,12 @@ class ModelManager:
         missing = missing_versions(config, available)
         for number, reason in missing.items():
             logger.warning("model %s: %s", name, reason)
+        if config.platform == ENSEMBLE_PLATFORM:
+            # The gateway runs ensembles (each step a routed call): the worker only
+            # keeps the config, so that the gateway reads it like any model's.
+            if not config.input or not config.output:
+                raise InvalidArgument(f"ensemble '{name}' must declare its inputs and outputs")
+            return _Built(config, [], {number: [] for number in numbers}, missing, [])
         config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
         placements = resolve_instance_groups(config, self.backend.gpu_count())
         samples = warmup_samples(config, model_dir)  # before any instance: a bad sample costs no session
