@@ -46,7 +46,7 @@ def build_bench_models(ctx: SuiteContext) -> Path:
     from models.build import BENCH_MODELS, build_repository  # onnx is imported only by this section
 
     root = ctx.workdir / "bench-models"
-    build_repository(root, BENCH_MODELS)
+    build_repository(root, BENCH_MODELS, ensembles=())
     return root
 
 
