@@ -197,9 +197,8 @@ class Cluster:
             log.error("cluster probe loop died", exc_info=task.exception())
 
     async def _probe_loop(self) -> None:
-        # Every worker on its own clock: a probe waiting out probe_timeout_s (an
-        # unreachable worker) delays neither the other workers' probes nor the
-        # next rounds; that worker is probed again once its probe has ended.
+        # Each worker on its own clock: a probe waiting out its timeout (an unreachable
+        # worker) delays no other worker's; that worker is probed again once it ends.
         probes: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
