@@ -147,10 +147,10 @@ def markdown(rows: list[dict[str, object]], mib: int, requests: int) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section of ``path`` (up to the next ``## ``), or append it."""
+def write_section(path: Path, text: str, section: str = SECTION) -> None:
+    """Replace ``section`` of ``path`` (from its heading up to the next ``## ``) with ``text``, or append it."""
     old = path.read_text() if path.exists() else "# infergate benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(section)}.*?(?=^## |\Z)", re.S | re.M)
     new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
     path.write_text(new)
 

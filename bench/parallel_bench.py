@@ -45,6 +45,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "encoder_hybrid": {"from": "encoder", "tensor_parallel": 2, "replicas": 2},
 }
 ROWS = ["encoder", *MODELS]
+WORKER_ARGS = ["--log-level", "warning"]
 
 
 def _request(model: str, x: np.ndarray) -> InferRequest:
@@ -91,13 +92,17 @@ async def measure(
     block: int = 20,
     clients: int = 64,
     duration_s: float = 5.0,
+    addresses: list[str] | None = None,
 ) -> dict[str, dict[str, float]]:
+    """Rows of :func:`run_parallel_bench`; with ``addresses``, on those running workers
+    (``workers`` is then ignored) instead of ``workers`` local ones started here."""
     workdir = Path(tempfile.mkdtemp(prefix="parallel-bench-"))
-    procs = [LocalWorker(i, str(model_repository), ["--log-level", "warning"], workdir) for i in range(workers)]
+    procs = [] if addresses else [LocalWorker(i, str(model_repository), WORKER_ARGS, workdir) for i in range(workers)]
     gateway: Gateway | None = None
     try:
         await asyncio.gather(*(w.start() for w in procs))
-        config = GatewayConfig(workers=tuple(WorkerSpec(w.address) for w in procs), models=MODELS,
+        targets = addresses or [w.address for w in procs]
+        config = GatewayConfig(workers=tuple(WorkerSpec(a) for a in targets), models=MODELS,
                                model_repository=str(model_repository))
         gateway = Gateway(config)
         await gateway.start()

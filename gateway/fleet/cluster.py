@@ -3,8 +3,9 @@ models each one serves.
 
 The cluster probes every worker periodically (ServerReady, then
 RepositoryIndex, then ModelConfig and ModelMetadata of each READY model when
-the index changed) and keeps the gateway's model map: the union of the models
-of the healthy workers. A worker goes DOWN after ``failures_to_down``
+the index changed), each on its own clock: a probe waiting out its timeout
+holds up no other worker's. It keeps the gateway's model map: the union of
+the models of the healthy workers. A worker goes DOWN after ``failures_to_down``
 consecutive failed probes, or at once when the router sees its connection
 fail; one successful probe brings it back. A worker that answers that it no
 longer serves a model (unloaded, or a Triton server shutting down) leaves
@@ -199,9 +200,20 @@ class Cluster:
             log.error("cluster probe loop died", exc_info=task.exception())
 
     async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self._probe_all(force=False)
+        # Each worker on its own clock: a probe waiting out its timeout (an unreachable
+        # worker) delays no other worker's; that worker is probed again once it ends.
+        probes: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self._interval_s)
+                probes = {a: t for a, t in probes.items() if not t.done()}
+                for worker in list(self._workers.values()):
+                    if worker.address not in probes:
+                        probes[worker.address] = asyncio.create_task(self._probe(worker, force=False))
+        finally:
+            for task in probes.values():
+                task.cancel()
+            await asyncio.gather(*probes.values(), return_exceptions=True)
 
     # ---- views -----------------------------------------------------------
 

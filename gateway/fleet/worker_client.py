@@ -33,6 +33,8 @@ from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_cod
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 2**31 - 1
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 # The two channels of a client: bulk calls, and the small calls probes make.
 _DATA = "data"
 _CONTROL = "control"
@@ -118,6 +120,13 @@ class WorkerClient:
             # that restarts must be reachable again by the next probe.
             ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
             ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
+            # A connection whose peer went silent (a cut link: no reset, no
+            # refusal) is closed when a ping goes unanswered, and the channel
+            # reconnects; without it, calls queue on the dead connection until
+            # TCP's retransmission timer, backed off to minutes, fires again.
+            # Pings go only while calls are open (the server's ping policy).
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ]
         # Made on first use: a grpc.aio channel belongs to the event loop it is
         # created on, and clients may be built before the gateway's loop runs.

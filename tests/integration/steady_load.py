@@ -3,8 +3,10 @@ ledger of every request: each carries a unique id, and each answer must echo
 its own id, exactly once.
 
 Clients speak gRPC (raw KServe stubs) and HTTP (JSON) to the ``mlp`` example
-model (``INPUT`` FP32 [n, 64] -> ``OUTPUT`` FP32 [n, 10]). Runs on the test's
-event loop; tests run blocking process control in threads meanwhile.
+model (``INPUT`` FP32 [n, 64] -> ``OUTPUT`` FP32 [n, 10]) by default, or to
+any one-input, one-output model a :class:`Workload` describes (which may also
+give the exact answer each request must carry). Runs on the test's event
+loop; tests run blocking process control in threads meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +24,35 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 MODEL = "mlp"
 ROW = np.linspace(-1, 1, 64, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request sends: ``row`` (one batch row) as input ``input_name`` of
+    ``model``; an answer is good when its first output has ``output_row_shape``
+    per row and, where ``expected_row`` is given, those values (to ``atol``)."""
+
+    model: str
+    input_name: str
+    datatype: str
+    row: np.ndarray
+    output_row_shape: tuple[int, ...]
+    expected_row: np.ndarray | None = None
+    atol: float = 1e-4
+
+    def good(self, shape: list[int], values: object, rows: int) -> bool:
+        if list(shape) != [rows, *self.output_row_shape]:
+            return False
+        if self.expected_row is None:
+            return True
+        try:
+            got = np.asarray(values, dtype=np.float32).reshape(shape)
+        except (TypeError, ValueError):  # missing or ill-shaped values: a bad answer
+            return False
+        return bool(np.allclose(got, np.broadcast_to(self.expected_row, got.shape), atol=self.atol, rtol=0))
+
+
+MLP = Workload(MODEL, "INPUT", "FP32", ROW, (10,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +111,7 @@ class SteadyLoad:
         prefix: str = "req",
         priority: int = 0,
         host: str = "127.0.0.1",
+        workload: Workload = MLP,
     ) -> None:
         self._target = f"{host}:{grpc_port}"
         self._http = f"http://{host}:{http_port}"
@@ -95,7 +127,8 @@ class SteadyLoad:
         self._tasks: list[asyncio.Task[None]] = []
         self._channel: grpc.aio.Channel | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._data = np.tile(ROW, (rows, 1))
+        self._workload = workload
+        self._data = np.repeat(workload.row[np.newaxis], rows, axis=0)
 
     async def start(self) -> SteadyLoad:
         self._channel = grpc.aio.insecure_channel(self._target)
@@ -165,8 +198,9 @@ class SteadyLoad:
     async def _grpc_client(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
         while not self._stopping.is_set():
             request_id = self._next_id("grpc")
-            pb = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
-            pb.inputs.add(name="INPUT", datatype="FP32", shape=[self._rows, 64])
+            work = self._workload
+            pb = service_pb2.ModelInferRequest(model_name=work.model, id=request_id)
+            pb.inputs.add(name=work.input_name, datatype=work.datatype, shape=list(self._data.shape))
             pb.raw_input_contents.append(self._data.tobytes())
             if self._priority:
                 pb.parameters["priority"].uint64_param = self._priority
@@ -179,18 +213,21 @@ class SteadyLoad:
                 self._record(Outcome(request_id, "grpc", False, e.code().name, time.monotonic() - started,
                                      retry_after, e.details() or ""), None)
                 continue
-            ok = len(response.outputs) == 1 and list(response.outputs[0].shape) == [self._rows, 10]
+            ok = len(response.outputs) == 1 and len(response.raw_output_contents) == 1 and work.good(
+                list(response.outputs[0].shape), _raw_values(response), self._rows)
             self._record(Outcome(request_id, "grpc", ok, "OK" if ok else "BAD_OUTPUT", time.monotonic() - started),
                          response.id)
 
     async def _http_client(self, session: aiohttp.ClientSession) -> None:
-        url = f"{self._http}/v2/models/{MODEL}/infer"
+        work = self._workload
+        url = f"{self._http}/v2/models/{work.model}/infer"
         data = self._data.tolist()
         while not self._stopping.is_set():
             request_id = self._next_id("http")
             body: dict[str, object] = {
                 "id": request_id,
-                "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [self._rows, 64], "data": data}],
+                "inputs": [{"name": work.input_name, "datatype": work.datatype, "shape": list(self._data.shape),
+                            "data": data}],
             }
             if self._priority:
                 body["parameters"] = {"priority": self._priority}
@@ -208,5 +245,12 @@ class SteadyLoad:
                                      None, str(e)), None)
                 continue
             outputs = payload.get("outputs") or [{}]
-            ok = outputs[0].get("shape") == [self._rows, 10]
+            ok = work.good(outputs[0].get("shape") or [], outputs[0].get("data"), self._rows)
             self._record(Outcome(request_id, "http", ok, "OK" if ok else "BAD_OUTPUT", latency), payload.get("id"))
+
+
+def _raw_values(response: service_pb2.ModelInferResponse) -> np.ndarray:
+    """The first output's values (FP32, the only output type the workloads check)."""
+    if response.outputs[0].datatype != "FP32":
+        return np.frombuffer(b"", dtype=np.float32)
+    return np.frombuffer(response.raw_output_contents[0], dtype=np.float32)

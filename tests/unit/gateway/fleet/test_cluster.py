@@ -33,6 +33,7 @@ class FakeWorker:
         self.reachable = True
         self.ready = True
         self.hang = False
+        self.ready_calls = 0
         self.config_errors: dict[str, InferGateError] = {}
         self.config_calls = 0
         self.infer_results: list[BaseException | None] = []
@@ -48,6 +49,7 @@ class FakeWorker:
         """Fakes are connected whenever they answer."""
 
     async def server_ready(self, timeout_s: float | None = None) -> bool:
+        self.ready_calls += 1
         if self.hang:
             await asyncio.Event().wait()
         self._check()
@@ -279,6 +281,25 @@ async def test_probe_timeout_counts_as_failure() -> None:
         assert cluster.worker("w1:1").state is WorkerStatus.DOWN
     finally:
         await cluster.stop()
+
+
+async def test_a_hanging_probe_holds_up_neither_the_others_nor_the_next_rounds() -> None:
+    # An unreachable worker's probe waits out probe_timeout_s; the rest of the fleet is probed meanwhile.
+    fleet = FakeFleet()
+    cluster = make_cluster(fleet, "w1:1", "w2:1", probe_interval_s=0.01, probe_timeout_s=3600.0)
+    await cluster.start()
+    try:
+        fleet["w1:1"].hang = True
+        hung, healthy = fleet["w1:1"].ready_calls, fleet["w2:1"].ready_calls
+
+        async def probed() -> None:
+            while fleet["w1:1"].ready_calls == hung or fleet["w2:1"].ready_calls < healthy + 5:
+                await asyncio.sleep(0.01)  # polling a condition
+
+        await asyncio.wait_for(probed(), 10.0)
+        assert fleet["w1:1"].ready_calls == hung + 1  # one probe of it at a time, no pile-up
+    finally:
+        await asyncio.wait_for(cluster.stop(), 10.0)  # the hanging probe is cancelled with the loop
 
 
 async def test_server_not_ready_counts_as_failure() -> None:
