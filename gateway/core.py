@@ -45,6 +45,7 @@ EXTENSIONS = [
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "system_shared_memory",
 ]
 
 
