@@ -46,6 +46,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "system_shared_memory",
+    "logging",
 ]
 
 

@@ -27,6 +27,7 @@ from gateway.frontends.grpc_wire import (
     encode_infer_response,
     param_value,
 )
+from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from gateway.types import InferenceCore, InferRequest
 from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
@@ -117,13 +118,21 @@ def _apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerCont
     request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)
 
 
+def _setting_value(value: Any) -> Any:
+    which = value.WhichOneof("parameter_choice")
+    return None if which is None else getattr(value, which)
+
+
 # ---- the service ----------------------------------------------------------------
 
 
 class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore, *, max_stream_inflight: int, shm: SharedMemoryRegistry) -> None:
+    def __init__(
+        self, core: InferenceCore, *, max_stream_inflight: int, shm: SharedMemoryRegistry, logs: LogSettings
+    ) -> None:
         self._core = core
         self._shm = shm
+        self._logs = logs
         self._max_stream_inflight = max_stream_inflight
         self.serving = False  # ServerReady follows GrpcFrontend.set_serving
 
@@ -302,10 +311,26 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         return service_pb2.CudaSharedMemoryUnregisterResponse()
 
+    # -- logging (gateway.frontends.log_settings; shared with the HTTP frontend)
+
+    @_unary_edge
+    async def LogSettings(self, request: Any, context: Any) -> service_pb2.LogSettingsResponse:
+        wanted = {key: _setting_value(v) for key, v in request.settings.items()}
+        current = self._logs.update(wanted) if wanted else self._logs.current()
+        response = service_pb2.LogSettingsResponse()
+        for key, value in current.items():
+            slot = response.settings[key]
+            if isinstance(value, bool):
+                slot.bool_param = value
+            elif isinstance(value, int):
+                slot.uint32_param = value
+            else:
+                slot.string_param = value
+        return response
+
     # -- Triton extensions this server does not offer: a clear UNIMPLEMENTED, never a hang
 
     TraceSetting = _unsupported("trace settings are not supported by this server")
-    LogSettings = _unsupported("log settings are not supported by this server; configure logging at startup")
 
 
 # ---- wiring ---------------------------------------------------------------------
@@ -377,6 +402,7 @@ def add_grpc_services(
     serving: bool = False,
     max_stream_inflight: int = 256,
     shm: SharedMemoryRegistry | None = None,
+    logs: LogSettings | None = None,
 ) -> GrpcFrontend:
     """Register the KServe v2 inference service and the health service on ``server``.
 
@@ -384,12 +410,16 @@ def add_grpc_services(
     until the application calls ``set_serving(True)``. ``max_stream_inflight``
     bounds the requests of one ModelStreamInfer stream that run or wait to be
     written at the same time. ``shm`` is the shared-memory region registry
-    (give the HTTP frontend's; a fresh one when not given).
+    and ``logs`` the log settings (give the HTTP frontend's; fresh ones when
+    not given).
     """
     if max_stream_inflight < 1:
         raise ValueError("max_stream_inflight must be at least 1")
     servicer = _InferenceServicer(
-        core, max_stream_inflight=max_stream_inflight, shm=shm if shm is not None else SharedMemoryRegistry()
+        core,
+        max_stream_inflight=max_stream_inflight,
+        shm=shm if shm is not None else SharedMemoryRegistry(),
+        logs=logs if logs is not None else LogSettings(),
     )
     servicer.serving = serving
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,7 +11,7 @@ Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
 ``/infer`` (JSON, binary tensor data, or a raw binary body with
 ``Inference-Header-Content-Length: 0``), and ``/v2/repository/index``,
-``/v2/repository/models/{m}/load|unload``, and the shared-memory extensions
+``/v2/repository/models/{m}/load|unload``, and the shared-memory and logging extensions
 endpoints (``gateway.frontends.http_extensions``). The statistics endpoints take
 ``?workers=true`` to add a ``workers`` section: each worker's own statistics
 (Triton's or our worker's) beside the gateway's; without it the body is
@@ -52,6 +52,7 @@ from gateway.frontends.http_json import (
     repository_index_to_json,
     worker_statistics_json,
 )
+from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
 from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
@@ -77,13 +78,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_http_app(
-    core: InferenceCore, *, max_request_bytes: int = 256 * 2**20, shm: SharedMemoryRegistry | None = None
+    core: InferenceCore,
+    *,
+    max_request_bytes: int = 256 * 2**20,
+    shm: SharedMemoryRegistry | None = None,
+    logs: LogSettings | None = None,
 ) -> web.Application:
     """The REST application serving ``core``; run it with AppRunner/TCPSite.
 
     ``max_request_bytes`` bounds a request body after decompression. ``shm``
-    is the shared-memory region registry (shared with the gRPC frontend; a
-    fresh one when not given). Routes
+    is the shared-memory region registry and ``logs`` the log settings, both
+    shared with the gRPC frontend (fresh ones when not given). Routes
     added to the returned app later (metrics, dashboard) share its error
     middleware.
     """
@@ -118,7 +123,7 @@ def create_http_app(
         add.add_get(base + "/config", api.model_config)
         add.add_get(base + "/stats", api.statistics)
         add.add_post(base + "/infer", api.infer)
-    add_extension_routes(app, shm)
+    add_extension_routes(app, shm, logs if logs is not None else LogSettings())
     return app
 
 

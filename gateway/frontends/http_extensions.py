@@ -1,4 +1,4 @@
-"""HTTP endpoints of Triton's shared-memory extensions.
+"""HTTP endpoints of Triton's shared-memory and logging extensions.
 
 - ``GET /v2/systemsharedmemory[/region/{name}]/status``: the registered
   regions, ``[{"name", "key", "offset", "byte_size"}]``;
@@ -6,9 +6,11 @@
   ``{"key", "offset", "byte_size"}``;
 - ``POST /v2/systemsharedmemory[/region/{name}]/unregister``;
 - the same three under ``/v2/cudasharedmemory`` (no region can be
-  registered: this server has no GPU to share; the status lists none).
+  registered: this server has no GPU to share; the status lists none);
+- ``GET|POST /v2/logging``: the log settings, and their update
+  (``gateway.frontends.log_settings``).
 
-The region registry is shared with the gRPC frontend;
+The region registry and the log settings are shared with the gRPC frontend;
 errors go through the application's one error middleware.
 """
 
@@ -20,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from gateway.frontends.http_codec import parse_json_object
+from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from protos.errors import InvalidArgument
 
@@ -43,8 +46,9 @@ def _uint(doc: dict[str, Any], key: str, *, required: bool) -> int:
 
 
 class _Extensions:
-    def __init__(self, shm: SharedMemoryRegistry) -> None:
+    def __init__(self, shm: SharedMemoryRegistry, logs: LogSettings) -> None:
         self._shm = shm
+        self._logs = logs
 
     # -- system shared memory
 
@@ -82,9 +86,18 @@ class _Extensions:
     async def cuda_unregister(self, request: web.Request) -> web.Response:
         return web.Response(status=200)  # nothing is registered; Triton answers success for unknown names
 
+    # -- logging
 
-def add_extension_routes(app: web.Application, shm: SharedMemoryRegistry) -> None:
-    ext = _Extensions(shm)
+    async def logging_get(self, request: web.Request) -> web.Response:
+        return _json(self._logs.current())
+
+    async def logging_update(self, request: web.Request) -> web.Response:
+        doc = parse_json_object(await request.read(), "log settings request")
+        return _json(self._logs.update(doc))
+
+
+def add_extension_routes(app: web.Application, shm: SharedMemoryRegistry, logs: LogSettings) -> None:
+    ext = _Extensions(shm, logs)
     add = app.router
     for base, status, register, unregister in (
         (_SYSTEM, ext.system_status, ext.system_register, ext.system_unregister),
@@ -95,3 +108,5 @@ def add_extension_routes(app: web.Application, shm: SharedMemoryRegistry) -> Non
         add.add_post(base + "/region/{name}/register", register)
         add.add_post(base + "/unregister", unregister)
         add.add_post(base + "/region/{name}/unregister", unregister)
+    add.add_get("/v2/logging", ext.logging_get)
+    add.add_post("/v2/logging", ext.logging_update)
