@@ -23,6 +23,7 @@ from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
 from gateway.fleet.readiness import unservable
+from gateway.frontends.classification import LabelFiles, apply_classification
 from gateway.frontends.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
@@ -47,6 +48,7 @@ EXTENSIONS = [
     "parameters",
     "system_shared_memory",
     "logging",
+    "classification",
 ]
 
 
@@ -96,6 +98,8 @@ class Gateway:
         self.stats = GatewayStats()
         # End-to-end latency distribution per model, for /metrics and the dashboard.
         self.latency = LatencyHistograms()
+        # Label files of the classification extension, read from the repository the gateway knows.
+        self.labels = LabelFiles(config.model_repository)
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
         self._shutting_down = False
@@ -231,6 +235,7 @@ class Gateway:
         except asyncio.CancelledError:
             self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), "Cancelled")
             raise
+        response = apply_classification(request, response, info.config, self.labels)
         queue_ns = _ns(max(0.0, request.dispatched - started))
         total_s = time.monotonic() - started
         self.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)

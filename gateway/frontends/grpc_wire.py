@@ -10,6 +10,8 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
+from gateway.frontends.classification import PARAMETER as CLASSIFICATION
+from gateway.frontends.classification import class_count
 from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec
@@ -124,7 +126,10 @@ def decode_infer_request(
         seen.add(o.name)
         out_params, window = _tensor_parameters(o.parameters, "output", o.name, shm)
         out_params.pop("binary_data", None)  # HTTP-only
-        outputs.append(RequestedOutput(o.name, parameters=out_params, region=window))
+        classes = class_count(out_params.pop(CLASSIFICATION), o.name) if CLASSIFICATION in out_params else 0
+        if classes and window is not None:
+            raise InvalidArgument("Output can't set both 'shared_memory_region' and 'classification'")
+        outputs.append(RequestedOutput(o.name, parameters=out_params, region=window, classification=classes))
 
     parameters: dict[str, Any] = {}
     priority = 0

@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from gateway.frontends.classification import PARAMETER as CLASSIFICATION
+from gateway.frontends.classification import class_count
 from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec, json_codec
@@ -232,8 +234,7 @@ def _decode_outputs(raw: Any, shm: SharedMemoryRegistry | None) -> list[Requeste
             raise InvalidArgument(f"output '{name}' already exists in request")
         seen.add(name)
         params = _parameters(item.get("parameters"), f"output '{name}'")
-        if "classification" in params:
-            raise Unsupported(f"output '{name}': the classification extension is not supported")
+        classes = class_count(params.pop(CLASSIFICATION), name) if CLASSIFICATION in params else 0
         binary = params.pop("binary_data", None)
         if binary is not None and not isinstance(binary, bool):
             raise InvalidArgument(f"output '{name}': binary_data must be true or false, got {binary!r}")
@@ -243,8 +244,11 @@ def _decode_outputs(raw: Any, shm: SharedMemoryRegistry | None) -> list[Requeste
                 raise Unsupported(f"output '{name}': {_SHM_HINT}")
             if binary:
                 raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
+            if classes:
+                raise InvalidArgument("Output can't set both 'shared_memory_region' and 'classification'")
             window = take_slice(params, name, shm)
-        outputs.append(RequestedOutput(name=name, binary_data=binary, parameters=params, region=window))
+        outputs.append(RequestedOutput(name=name, binary_data=binary, parameters=params, region=window,
+                                       classification=classes))
     return outputs
 
 
