@@ -1,7 +1,8 @@
 """Builds the example model repository: ONNX graphs plus Triton ``config.pbtxt``.
 
-Owns the example models (``simple``, ``mlp``, ``cnn``, ``encoder``, and the
-string models ``identity_string`` and ``string_to_int``), their weights
+Owns the example models (``simple``, ``mlp``, ``cnn``, ``encoder``, the
+string models ``identity_string`` and ``string_to_int``, and the ``classify``
+ensemble: ``preprocess`` -> ``cnn`` -> ``postprocess``), their weights
 (seeded, so every build writes the same bytes) and the
 ``infergate models build|list [DIR]`` subcommand. Each model's ``config.pbtxt``
 is derived from its ONNX graph signature, so the two cannot disagree.
@@ -49,7 +50,14 @@ _TRITON_DTYPES: dict[int, int] = {
     TensorProto.INT32: mc.TYPE_INT32,
     TensorProto.INT64: mc.TYPE_INT64,
     TensorProto.FLOAT: mc.TYPE_FP32,
+    TensorProto.UINT8: mc.TYPE_UINT8,
 }
+
+# The `classify` ensemble: an HWC uint8 image, normalised per channel, top-k of the cnn's classes.
+IMAGE_SIZE = 32
+CHANNEL_MEAN = (0.485, 0.456, 0.406)
+CHANNEL_STD = (0.229, 0.224, 0.225)
+TOP_K = 3
 
 Dims = list[int | str]
 
@@ -174,6 +182,43 @@ def build_cnn() -> onnx.ModelProto:
     return g.model()
 
 
+def build_preprocess() -> onnx.ModelProto:
+    """uint8 HWC image [N, 32, 32, 3] -> (x / 255 - mean) / std as float CHW [N, 3, 32, 32]: the cnn's input."""
+    g = GraphBuilder("preprocess", seed=6)
+    x = g.input("IMAGE", TensorProto.UINT8, ["batch", IMAGE_SIZE, IMAGE_SIZE, 3])
+    x = g.op("Div", g.op("Cast", x, to=TensorProto.FLOAT), g.scalar(255.0))
+    x = g.op("Sub", x, g.const("mean", np.array(CHANNEL_MEAN, dtype=np.float32)))
+    x = g.op("Div", x, g.const("std", np.array(CHANNEL_STD, dtype=np.float32)))
+    g.op("Transpose", x, out="PIXELS", perm=[0, 3, 1, 2])
+    g.output("PIXELS", TensorProto.FLOAT, ["batch", 3, IMAGE_SIZE, IMAGE_SIZE])
+    return g.model()
+
+
+def build_postprocess() -> onnx.ModelProto:
+    """Class probabilities [N, 10] -> the top-k scores [N, k] and class ids [N, k], best first."""
+    g = GraphBuilder("postprocess", seed=7)
+    probs = g.input("PROBS", TensorProto.FLOAT, ["batch", 10])
+    k = g.const("k", np.array([TOP_K], dtype=np.int64))
+    g.nodes.append(helper.make_node("TopK", [probs, k], ["SCORES", "CLASSES"], name="topk", axis=-1, largest=1, sorted=1))
+    g.output("SCORES", TensorProto.FLOAT, ["batch", TOP_K])
+    g.output("CLASSES", TensorProto.INT64, ["batch", TOP_K])
+    return g.model()
+
+
+def classify_config() -> mc.ModelConfig:
+    """Triton's ensemble format: preprocess -> cnn -> postprocess, run by the gateway step by step."""
+    config = mc.ModelConfig(name="classify", platform="ensemble", max_batch_size=32)
+    config.input.add(name="IMAGE", data_type=mc.TYPE_UINT8, dims=[IMAGE_SIZE, IMAGE_SIZE, 3])
+    config.output.add(name="SCORES", data_type=mc.TYPE_FP32, dims=[TOP_K])
+    config.output.add(name="CLASSES", data_type=mc.TYPE_INT64, dims=[TOP_K])
+    steps = config.ensemble_scheduling.step
+    steps.add(model_name="preprocess", model_version=-1, input_map={"IMAGE": "IMAGE"}, output_map={"PIXELS": "pixels"})
+    steps.add(model_name="cnn", model_version=-1, input_map={"IMAGE": "pixels"}, output_map={"PROBS": "probs"})
+    steps.add(model_name="postprocess", model_version=-1, input_map={"PROBS": "probs"},
+              output_map={"SCORES": "SCORES", "CLASSES": "CLASSES"})
+    return config
+
+
 def _attention(g: GraphBuilder, x: str, prefix: str) -> str:
     """Multi-head self-attention, no mask; heads split by constant-shape Reshapes."""
     heads_shape = np.array([0, 0, N_HEADS, HEAD_DIM], dtype=np.int64)
@@ -244,16 +289,30 @@ class ExampleModel:
     build: Callable[[], onnx.ModelProto]
     max_batch_size: int
     dynamic_batching: bool
+    # `response_cache { enable: true }`: answered from the gateway's cache when it has one (--cache-size).
+    response_cache: bool = False
+    # A `model_warmup` sample of random data (batch 1) that the worker runs before the model is READY.
+    warmup: bool = False
 
 
 EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("simple", build_simple, max_batch_size=8, dynamic_batching=False),
     ExampleModel("mlp", build_mlp, max_batch_size=64, dynamic_batching=True),
-    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True),
+    ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True, response_cache=True,
+                 warmup=True),
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
     ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
     ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
+    ExampleModel("preprocess", build_preprocess, max_batch_size=32, dynamic_batching=True),
+    ExampleModel("postprocess", build_postprocess, max_batch_size=32, dynamic_batching=True),
 )
+# Ensembles: configs only (an empty version directory, as Triton wants), run by the gateway.
+EXAMPLE_ENSEMBLES: tuple[Callable[[], mc.ModelConfig], ...] = (classify_config,)
+
+
+def example_names() -> list[str]:
+    """Every model of the example repository, ensembles included, in build order."""
+    return [m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES]
 
 
 def _config_dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
@@ -286,6 +345,13 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
         )
     if example.dynamic_batching:
         config.dynamic_batching.SetInParent()
+    if example.response_cache:
+        config.response_cache.enable = True
+    if example.warmup:
+        sample = config.model_warmup.add(name="random", batch_size=1 if batched else 0, count=1)
+        for spec in config.input:
+            sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(data_type=spec.data_type, dims=spec.dims,
+                                                                    random_data=True))
     # KIND_AUTO: a GPU when one is usable, else the CPU, for Triton and our workers alike.
     config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     return config
@@ -312,6 +378,12 @@ def build_repository(path: str | Path) -> list[str]:
         _write_if_changed(root / example.name / "config.pbtxt", config.encode())
         logger.info("built model %s in %s", example.name, root)
         names.append(example.name)
+    for build_config in EXAMPLE_ENSEMBLES:
+        config = build_config()
+        (root / config.name / "1").mkdir(parents=True, exist_ok=True)
+        _write_if_changed(root / config.name / "config.pbtxt", (CONFIG_HEADER + text_format.MessageToString(config)).encode())
+        logger.info("built ensemble %s in %s", config.name, root)
+        names.append(config.name)
     return names
 
 

@@ -116,7 +116,7 @@ def classify(tensor: Tensor, k: int, labels: Sequence[str], batched: bool) -> Te
 def apply_classification(
     request: InferRequest, response: InferResponse, config: model_config_pb2.ModelConfig, files: LabelFiles
 ) -> InferResponse:
-    """Replace each output the request asked to classify by its top-K strings."""
+    """``response`` with each output the request asked to classify replaced by its top-K strings (a new response)."""
     wanted = {o.name: o.classification for o in request.outputs if o.classification}
     if not wanted:
         return response
@@ -129,5 +129,4 @@ def apply_classification(
             labels = files.labels(request.model, label_names.get(tensor.name, ""))
             tensor = classify(tensor, k, labels, batched)
         outputs.append(tensor)
-    response.outputs = outputs
-    return response
+    return InferResponse(response.model, response.version, response.id, outputs, dict(response.parameters))
