@@ -30,6 +30,8 @@ from gateway.fleet.registry import add_registry_service
 from gateway.frontends.grpc_api import add_grpc_services
 from gateway.frontends.grpc_guard import MalformedRequestGuard
 from gateway.frontends.http_api import create_http_app
+from gateway.frontends.log_settings import LogSettings
+from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.observability.cluster_api import add_cluster_routes
 from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
@@ -159,7 +161,9 @@ async def start_gateway(
         # Every call of a burst reaches the handlers, which serve it or refuse it with a retry hint.
         *BURST_OPTIONS,
     ])
-    frontend = add_grpc_services(grpc_server, gateway)
+    # One registry of client shared-memory regions and one set of log settings for both frontends, as in Triton.
+    shm, logs = SharedMemoryRegistry(), LogSettings()
+    frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs)
     # Workers started with --gateway register here (protos/cluster.proto).
     add_registry_service(grpc_server, gateway.fleet.registry)
     grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
@@ -167,7 +171,7 @@ async def start_gateway(
         raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
     await grpc_server.start()
 
-    app = create_http_app(gateway, max_request_bytes=config.max_request_bytes)
+    app = create_http_app(gateway, max_request_bytes=config.max_request_bytes, shm=shm, logs=logs)
     security.install_http(app)
     # Observability routes join the REST app before setup freezes it.
     add_metrics_routes(app, gateway)

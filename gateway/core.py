@@ -26,6 +26,7 @@ from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
 from gateway.fleet.readiness import unservable
+from gateway.frontends.classification import LabelFiles, apply_classification
 from gateway.frontends.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
@@ -48,6 +49,9 @@ EXTENSIONS = [
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "system_shared_memory",
+    "logging",
+    "classification",
 ]
 
 
@@ -101,6 +105,8 @@ class Gateway:
         self.ensembles = Ensembles(self._infer)
         # End-to-end latency distribution per model, for /metrics and the dashboard.
         self.latency = LatencyHistograms()
+        # Label files of the classification extension, read from the repository the gateway knows.
+        self.labels = LabelFiles(config.model_repository)
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
         self._shutting_down = False
@@ -235,7 +241,7 @@ class Gateway:
                 total_s = time.monotonic() - started
                 self.stats.record_cache_hit(request.model, version, _ns(total_s))
                 self.latency.observe(request.model, version, total_s)
-                return found
+                return apply_classification(request, found, info.config, self.labels)
             miss = found
         try:
             if ensemble:
@@ -258,6 +264,8 @@ class Gateway:
             raise
         if miss is not None:
             self.cache.insert(miss, response)
+        # After the cache: it holds the model's outputs, whatever form each request asks for.
+        response = apply_classification(request, response, info.config, self.labels)
         queue_ns = _ns(max(0.0, request.dispatched - started))
         total_s = time.monotonic() - started
         self.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)

@@ -40,6 +40,13 @@ class ModelNotFound(InferGateError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
 
+class NotFound(InferGateError):
+    """Something named in the request other than a model (e.g. a shared-memory region): Triton's 404."""
+
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
 class AlreadyExists(InferGateError):
     http_status = 400
     grpc_code = grpc.StatusCode.ALREADY_EXISTS
@@ -114,6 +121,7 @@ class Internal(InferGateError):
 ALL_ERRORS: tuple[type[InferGateError], ...] = (
     InvalidArgument,
     ModelNotFound,
+    NotFound,
     AlreadyExists,
     Unavailable,
     Overloaded,

@@ -228,6 +228,10 @@ class ModelManager:
     async def _load(self, name: str, config_json: str | None, files: dict[str, bytes]) -> None:
         if not files and self.repository.model_dir(name) is None and name not in self._entries:
             raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
+        if files and config_json is None:
+            # Triton's words: the override files form the whole model directory, config included.
+            # Refused before any state is made for the model, as Triton does.
+            raise InvalidArgument("Load parameter 'config' must be specified for model file override")
         async with self._locked(name, create=True) as entry:
             assert entry is not None
             staged: Path | None = None
@@ -237,9 +241,6 @@ class ModelManager:
             if config_json is None and not files and entry.versions and entry.override_config is not None:
                 config_json = entry.override_config  # a reload keeps the config it was loaded with
             try:
-                if files and config_json is None:
-                    # Triton's words: the override files form the whole model directory, config included.
-                    raise InvalidArgument("Load parameter 'config' must be specified for model file override")
                 if files:
                     staged = await asyncio.to_thread(stage_override, self._staging_root, name, files)
                     model_dir = staged
@@ -268,7 +269,8 @@ class ModelManager:
                         self._forget(entry)
                 if isinstance(exc, InferGateError) and not isinstance(exc, ModelNotFound):
                     logger.error("load failed for model %s: %s", name, exc.message)
-                    raise InvalidArgument(f"load failed for model '{name}': {exc.message}") from None
+                    # Triton's words first, then the cause.
+                    raise InvalidArgument(f"failed to load '{name}': {exc.message}") from None
                 raise
             versions = {
                 number: LoadedModel(built.config, number, instances, max_queue_size=self._max_queue_size)

@@ -112,13 +112,33 @@ async def load(cluster: Cluster, name: str, parameters: dict[str, service_pb2.Mo
     listed = [w for w, entries in await _indexes(cluster) if any(e.name == name for e in entries)]
     targets = listed or [w for w in cluster.workers() if w.is_up]
     if not targets:
-        raise Unavailable("no healthy worker to load the model on")
+        raise Unavailable(f"failed to load '{name}': no healthy worker to load the model on")
     results = await asyncio.gather(*(w.client.load(name, parameters) for w in targets), return_exceptions=True)
     for worker, result in zip(targets, results):
         if not isinstance(result, BaseException):
             worker.loaded.add(name)  # before the refresh, which may look it up by name
     await cluster.refresh()
-    _outcome(targets, results, "load", name)
+    try:
+        _outcome(targets, results, "load", name)
+    except InferGateError as exc:
+        raise _as_load_failure(exc, name) from None
+
+
+# Messages that are already Triton's own words for a refused load.
+_TRITON_LOAD_WORDS = ("failed to load '", "Load parameter ", "explicit model load / unload is not allowed")
+
+
+def _as_load_failure(exc: InferGateError, name: str) -> InferGateError:
+    """``exc`` reworded as Triton words a failed load ("failed to load 'M'"), its detail after; same class."""
+    if exc.message.startswith(_TRITON_LOAD_WORDS):
+        return exc
+    detail = exc.message
+    stale = f"load failed for model '{name}': "  # older Triton servers' wording of the same thing
+    if detail.startswith(stale):
+        detail = detail[len(stale):]
+    exc.message = f"failed to load '{name}': {detail}"
+    exc.args = (exc.message,)
+    return exc
 
 
 async def unload(cluster: Cluster, name: str, unload_dependents: bool = False) -> None:

@@ -23,11 +23,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from gateway.frontends.grpc_wire import (
     EMPTY_FINAL,
     FINAL_RESPONSE,
-    SHM_MESSAGE,
     decode_infer_request,
     encode_infer_response,
     param_value,
 )
+from gateway.frontends.log_settings import LogSettings
+from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from gateway.types import InferenceCore, InferRequest
 from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
 
@@ -117,12 +118,21 @@ def _apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerCont
     request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)
 
 
+def _setting_value(value: Any) -> Any:
+    which = value.WhichOneof("parameter_choice")
+    return None if which is None else getattr(value, which)
+
+
 # ---- the service ----------------------------------------------------------------
 
 
 class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore, *, max_stream_inflight: int) -> None:
+    def __init__(
+        self, core: InferenceCore, *, max_stream_inflight: int, shm: SharedMemoryRegistry, logs: LogSettings
+    ) -> None:
         self._core = core
+        self._shm = shm
+        self._logs = logs
         self._max_stream_inflight = max_stream_inflight
         self.serving = False  # ServerReady follows GrpcFrontend.set_serving
 
@@ -178,7 +188,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary_edge
     async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
-        req = decode_infer_request(request)
+        req = decode_infer_request(request, shm=self._shm)
         _apply_client_deadline(req, context)
         # Awaited in the RPC's own task: a client cancel or an expired deadline
         # cancels this task, and with it everything the core awaits for us.
@@ -190,7 +200,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> service_pb2.ModelStreamInferResponse:
         """One stream request's response; failures become an in-stream error_message."""
         try:
-            req = decode_infer_request(pb, allowed_reserved=frozenset({EMPTY_FINAL}))
+            req = decode_infer_request(pb, allowed_reserved=frozenset({EMPTY_FINAL}), shm=self._shm)
             _apply_client_deadline(req, context)
             out = encode_infer_response(await self._core.infer(req), req)
             if EMPTY_FINAL in pb.parameters and param_value(pb.parameters[EMPTY_FINAL]) is True:
@@ -267,16 +277,60 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
+    # -- shared memory (gateway.frontends.shared_memory; the registry is the HTTP frontend's too)
+
+    @_unary_edge
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for r in self._shm.status(request.name):
+            response.regions[r.name].CopyFrom(response.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return response
+
+    @_unary_edge
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._shm.register(request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    @_unary_edge
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._shm.unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    @_unary_edge
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        if request.name:
+            raise cuda_status_error(request.name)
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    @_unary_edge
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        raise cuda_register_error(request.name)
+
+    @_unary_edge
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
+    # -- logging (gateway.frontends.log_settings; shared with the HTTP frontend)
+
+    @_unary_edge
+    async def LogSettings(self, request: Any, context: Any) -> service_pb2.LogSettingsResponse:
+        wanted = {key: _setting_value(v) for key, v in request.settings.items()}
+        current = self._logs.update(wanted) if wanted else self._logs.current()
+        response = service_pb2.LogSettingsResponse()
+        for key, value in current.items():
+            slot = response.settings[key]
+            if isinstance(value, bool):
+                slot.bool_param = value
+            elif isinstance(value, int):
+                slot.uint32_param = value
+            else:
+                slot.string_param = value
+        return response
+
     # -- Triton extensions this server does not offer: a clear UNIMPLEMENTED, never a hang
 
-    SystemSharedMemoryStatus = _unsupported(f"system {SHM_MESSAGE}")
-    SystemSharedMemoryRegister = _unsupported(f"system {SHM_MESSAGE}")
-    SystemSharedMemoryUnregister = _unsupported(f"system {SHM_MESSAGE}")
-    CudaSharedMemoryStatus = _unsupported(f"CUDA {SHM_MESSAGE}")
-    CudaSharedMemoryRegister = _unsupported(f"CUDA {SHM_MESSAGE}")
-    CudaSharedMemoryUnregister = _unsupported(f"CUDA {SHM_MESSAGE}")
     TraceSetting = _unsupported("trace settings are not supported by this server")
-    LogSettings = _unsupported("log settings are not supported by this server; configure logging at startup")
 
 
 # ---- wiring ---------------------------------------------------------------------
@@ -342,18 +396,31 @@ class GrpcFrontend:
 
 
 def add_grpc_services(
-    server: grpc.aio.Server, core: InferenceCore, *, serving: bool = False, max_stream_inflight: int = 256
+    server: grpc.aio.Server,
+    core: InferenceCore,
+    *,
+    serving: bool = False,
+    max_stream_inflight: int = 256,
+    shm: SharedMemoryRegistry | None = None,
+    logs: LogSettings | None = None,
 ) -> GrpcFrontend:
     """Register the KServe v2 inference service and the health service on ``server``.
 
     Health (and ServerReady) start as ``serving``: by default NOT_SERVING
     until the application calls ``set_serving(True)``. ``max_stream_inflight``
     bounds the requests of one ModelStreamInfer stream that run or wait to be
-    written at the same time.
+    written at the same time. ``shm`` is the shared-memory region registry
+    and ``logs`` the log settings (give the HTTP frontend's; fresh ones when
+    not given).
     """
     if max_stream_inflight < 1:
         raise ValueError("max_stream_inflight must be at least 1")
-    servicer = _InferenceServicer(core, max_stream_inflight=max_stream_inflight)
+    servicer = _InferenceServicer(
+        core,
+        max_stream_inflight=max_stream_inflight,
+        shm=shm if shm is not None else SharedMemoryRegistry(),
+        logs=logs if logs is not None else LogSettings(),
+    )
     servicer.serving = serving
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     health = _HealthServicer(("", SERVICE_NAME), status)

@@ -10,6 +10,9 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
+from gateway.frontends.classification import PARAMETER as CLASSIFICATION
+from gateway.frontends.classification import class_count
+from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec
 from protos.errors import InvalidArgument, Unsupported
@@ -21,7 +24,6 @@ _IGNORED_PARAMETERS = frozenset({"binary_data_output"})  # HTTP-only; gRPC outpu
 _RESERVED_PREFIX = "triton_"
 EMPTY_FINAL = "triton_enable_empty_final_response"  # streaming only, as in Triton
 FINAL_RESPONSE = "triton_final_response"
-_SHM_PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 SHM_MESSAGE = (
     "shared memory is not supported by this server; send tensors in the request "
     "(raw_input_contents) instead"
@@ -56,40 +58,54 @@ def _non_negative_int(key: str, value: Any) -> int:
     return value
 
 
-def _tensor_parameters(params: Any, kind: str, name: str) -> dict[str, Any]:
+def _tensor_parameters(
+    params: Any, kind: str, name: str, shm: SharedMemoryRegistry | None
+) -> tuple[dict[str, Any], Any]:
+    """A tensor's parameters, and its shared-memory window (None when it names no region)."""
     if not params:  # the usual case, and the cheap test on a protobuf map
-        return {}
+        return {}, None
     out = {key: param_value(p) for key, p in params.items()}
-    if any(key in out for key in _SHM_PARAMETERS):
+    if not any(key in out for key in SHM_KEYS):
+        return out, None
+    if shm is None:
         raise Unsupported(f"{kind} '{name}': {SHM_MESSAGE}")
-    return out
+    return out, take_slice(out, name, shm)
 
 
 # ---- decode / encode ----------------------------------------------------------
 
 
 def decode_infer_request(
-    pb: service_pb2.ModelInferRequest, *, allowed_reserved: frozenset[str] = frozenset()
+    pb: service_pb2.ModelInferRequest,
+    *,
+    allowed_reserved: frozenset[str] = frozenset(),
+    shm: SharedMemoryRegistry | None = None,
 ) -> InferRequest:
     """The ``InferRequest`` of a ``ModelInferRequest`` (no deadline yet).
 
-    Inputs come from ``raw_input_contents`` (aligned with ``inputs`` by index,
-    and then covering every input) or else from each input's typed
-    ``contents``. Byte sizes of raw inputs are checked by the core against
-    the model; typed contents are converted (and counted) here.
+    Inputs come from a registered shared-memory region (``shm``), from
+    ``raw_input_contents`` (in order, one entry per input not in shared
+    memory) or else from each input's typed ``contents``. Byte sizes of raw
+    inputs are checked by the core against the model; typed contents are
+    converted (and counted) here.
     """
     raw = pb.raw_input_contents
-    if raw and len(raw) != len(pb.inputs):
-        raise InvalidArgument(
-            f"raw_input_contents has {len(raw)} entries for {len(pb.inputs)} inputs; when "
-            "raw_input_contents is used it must hold every input, in the order of 'inputs'"
-        )
     # Per request: protobuf field reads are the cost here, so each is read once.
+    decoded = [_tensor_parameters(t.parameters, "input", t.name, shm) for t in pb.inputs]
+    in_body = sum(1 for _, window in decoded if window is None)
+    if raw and len(raw) != in_body:
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries for {in_body} inputs; when "
+            "raw_input_contents is used it must hold every input not in shared memory, in the order of 'inputs'"
+        )
     inputs: list[Tensor] = []
-    for index, tensor in enumerate(pb.inputs):
+    index = 0
+    for tensor, (params, window) in zip(pb.inputs, decoded):
         name = tensor.name
         shape = tuple(tensor.shape)  # int64 fields: already Python ints
-        params = _tensor_parameters(tensor.parameters, "input", name)
+        if window is not None:
+            inputs.append(Tensor(name, tensor.datatype, shape, window.read(), params))
+            continue
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidArgument(
@@ -97,6 +113,7 @@ def decode_infer_request(
                     f"for model '{pb.model_name}'"
                 )
             data: bytes = raw[index]
+            index += 1
         else:
             data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
         inputs.append(Tensor(name, tensor.datatype, shape, data, params))
@@ -107,9 +124,12 @@ def decode_infer_request(
         if o.name in seen:  # as over HTTP, and as Triton refuses it
             raise InvalidArgument(f"output '{o.name}' already exists in request")
         seen.add(o.name)
-        out_params = _tensor_parameters(o.parameters, "output", o.name)
+        out_params, window = _tensor_parameters(o.parameters, "output", o.name, shm)
         out_params.pop("binary_data", None)  # HTTP-only
-        outputs.append(RequestedOutput(o.name, parameters=out_params))
+        classes = class_count(out_params.pop(CLASSIFICATION), o.name) if CLASSIFICATION in out_params else 0
+        if classes and window is not None:
+            raise InvalidArgument("Output can't set both 'shared_memory_region' and 'classification'")
+        outputs.append(RequestedOutput(o.name, parameters=out_params, region=window, classification=classes))
 
     parameters: dict[str, Any] = {}
     priority = 0
@@ -143,7 +163,12 @@ def decode_infer_request(
 
 
 def encode_infer_response(resp: InferResponse, request: InferRequest) -> service_pb2.ModelInferResponse:
-    """The ``ModelInferResponse`` of ``resp``: every output in raw_output_contents, id echoed."""
+    """The ``ModelInferResponse`` of ``resp``: every output in raw_output_contents, id echoed.
+
+    An output requested into a shared-memory region is written there and its
+    raw_output_contents entry is empty, as Triton's.
+    """
+    regions = {o.name: o.region for o in request.outputs if o.region is not None}
     pb = service_pb2.ModelInferResponse(
         model_name=resp.model or request.model, model_version=resp.version, id=request.id
     )
@@ -157,5 +182,10 @@ def encode_infer_response(resp: InferResponse, request: InferRequest) -> service
             for key, value in tensor.parameters.items():
                 _set_param(out.parameters[key], value)
         data = tensor.data
+        window = regions.get(tensor.name) if regions else None
+        if window is not None:
+            write_output(window, tensor.name, data)
+            pb.raw_output_contents.append(b"")
+            continue
         pb.raw_output_contents.append(data if isinstance(data, bytes) else bytes(data))
     return pb

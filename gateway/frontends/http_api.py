@@ -11,7 +11,8 @@ Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
 ``/infer`` (JSON, binary tensor data, or a raw binary body with
 ``Inference-Header-Content-Length: 0``), and ``/v2/repository/index``,
-``/v2/repository/models/{m}/load|unload``. The statistics endpoints take
+``/v2/repository/models/{m}/load|unload``, and the shared-memory and logging extensions
+endpoints (``gateway.frontends.http_extensions``). The statistics endpoints take
 ``?workers=true`` to add a ``workers`` section: each worker's own statistics
 (Triton's or our worker's) beside the gateway's; without it the body is
 exactly Triton's.
@@ -43,6 +44,7 @@ from gateway.frontends.http_codec import (
     inflate_bounded,
     parse_json_object,
 )
+from gateway.frontends.http_extensions import add_extension_routes
 from gateway.frontends.http_json import (
     bool_field,
     load_parameters,
@@ -50,7 +52,9 @@ from gateway.frontends.http_json import (
     repository_index_to_json,
     worker_statistics_json,
 )
+from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
+from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.types import InferenceCore
 from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable, Unsupported
@@ -73,16 +77,25 @@ _request_id: ContextVar[str] = ContextVar("infergate_http_request_id", default="
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_http_app(core: InferenceCore, *, max_request_bytes: int = 256 * 2**20) -> web.Application:
+def create_http_app(
+    core: InferenceCore,
+    *,
+    max_request_bytes: int = 256 * 2**20,
+    shm: SharedMemoryRegistry | None = None,
+    logs: LogSettings | None = None,
+) -> web.Application:
     """The REST application serving ``core``; run it with AppRunner/TCPSite.
 
-    ``max_request_bytes`` bounds a request body after decompression. Routes
+    ``max_request_bytes`` bounds a request body after decompression. ``shm``
+    is the shared-memory region registry and ``logs`` the log settings, both
+    shared with the gRPC frontend (fresh ones when not given). Routes
     added to the returned app later (metrics, dashboard) share its error
     middleware.
     """
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    api = _HttpApi(core, max_request_bytes)
+    shm = shm if shm is not None else SharedMemoryRegistry()
+    api = _HttpApi(core, max_request_bytes, shm)
     app = web.Application(
         middlewares=[error_middleware],
         client_max_size=max_request_bytes,
@@ -110,6 +123,7 @@ def create_http_app(core: InferenceCore, *, max_request_bytes: int = 256 * 2**20
         add.add_get(base + "/config", api.model_config)
         add.add_get(base + "/stats", api.statistics)
         add.add_post(base + "/infer", api.infer)
+    add_extension_routes(app, shm, logs if logs is not None else LogSettings())
     return app
 
 
@@ -160,9 +174,10 @@ def _json(value: Any) -> web.Response:
 class _HttpApi:
     """The endpoint handlers, bound to one core."""
 
-    def __init__(self, core: InferenceCore, max_request_bytes: int) -> None:
+    def __init__(self, core: InferenceCore, max_request_bytes: int, shm: SharedMemoryRegistry) -> None:
         self._core = core
         self._max_request_bytes = max_request_bytes
+        self._shm = shm
 
     # --- health and metadata ---------------------------------------------
 
@@ -245,7 +260,7 @@ class _HttpApi:
                 config=self._core.model_config(name, version),
             )
         else:
-            decoded = decode_infer_request(body, header_length, model=name, version=version, now=now)
+            decoded = decode_infer_request(body, header_length, model=name, version=version, now=now, shm=self._shm)
         # The HTTP counterpart of a gRPC deadline (Triton defines none): milliseconds from arrival.
         apply_timeout_header(decoded.request, request.headers.get(TIMEOUT_HEADER), now)
         _request_id.set(decoded.request.id)

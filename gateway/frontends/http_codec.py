@@ -18,6 +18,9 @@ from typing import Any
 
 import orjson
 
+from gateway.frontends.classification import PARAMETER as CLASSIFICATION
+from gateway.frontends.classification import class_count
+from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec, json_codec
 from protos.errors import Internal, InvalidArgument, PayloadTooLarge, Unsupported
@@ -27,7 +30,6 @@ ParamValue = bool | int | float | str
 
 # Request-level parameters the frontend consumes instead of passing them on.
 _CONSUMED_PARAMETERS = frozenset({"priority", "timeout", "binary_data_output"})
-_SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 _SHM_HINT = "shared memory is not supported by this server; send the tensor in the request body"
 
 
@@ -79,6 +81,7 @@ def decode_infer_request(
     model: str,
     version: str = "",
     now: float | None = None,
+    shm: SharedMemoryRegistry | None = None,
 ) -> DecodedInfer:
     """Decode a REST inference body into an ``InferRequest``.
 
@@ -126,7 +129,7 @@ def decode_infer_request(
     seen: set[str] = set()
     offset = 0
     for index, item in enumerate(raw_inputs):
-        tensor, offset = _decode_input(item, index, binary, offset, model)
+        tensor, offset = _decode_input(item, index, binary, offset, model, shm)
         if tensor.name in seen:
             raise InvalidArgument(f"input '{tensor.name}' already exists in request")
         seen.add(tensor.name)
@@ -137,7 +140,7 @@ def decode_infer_request(
             "them; check the inputs' binary_data_size and the Inference-Header-Content-Length header"
         )
 
-    outputs = _decode_outputs(doc.get("outputs"))
+    outputs = _decode_outputs(doc.get("outputs"), shm)
     request = InferRequest(
         model=model,
         version=version,
@@ -152,7 +155,9 @@ def decode_infer_request(
     return DecodedInfer(request=request, binary_data_output=binary_out)
 
 
-def _decode_input(item: Any, index: int, binary: memoryview, offset: int, model: str) -> tuple[Tensor, int]:
+def _decode_input(
+    item: Any, index: int, binary: memoryview, offset: int, model: str, shm: SharedMemoryRegistry | None
+) -> tuple[Tensor, int]:
     if not isinstance(item, dict):
         raise InvalidArgument(f"inputs[{index}] must be an object, got {_json_type(item)}")
     name = item.get("name")
@@ -164,10 +169,22 @@ def _decode_input(item: Any, index: int, binary: memoryview, offset: int, model:
         raise InvalidArgument(f"{what} needs a string 'datatype' such as \"FP32\"")
     shape = _shape(item.get("shape"), what)
     params = _parameters(item.get("parameters"), what)
-    if any(key in params for key in _SHM_KEYS):
-        raise Unsupported(f"{what}: {_SHM_HINT}")
     has_data = "data" in item
     has_binary = "binary_data_size" in params
+    if any(key in params for key in SHM_KEYS):
+        if shm is None:
+            raise Unsupported(f"{what}: {_SHM_HINT}")
+        if has_data or has_binary:
+            given = " ".join(f"'{k}'" for k, on in (("data", has_data), ("binary_data_size", has_binary)) if on)
+            raise InvalidArgument(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+                f"'shared_memory_region' in 'parameters'. But set {given} 'shared_memory_region'"
+            )
+        window = take_slice(params, name, shm)
+        if window is not None:
+            data: Buffer = window.read()
+            codec.validate_raw(datatype, shape, data, name=name, model=model)
+            return Tensor(name=name, datatype=datatype, shape=shape, data=data, parameters=params), offset
     if has_data == has_binary:
         raise InvalidArgument(
             f"{what} must give exactly one of 'data' or parameters.binary_data_size"
@@ -183,7 +200,7 @@ def _decode_input(item: Any, index: int, binary: memoryview, offset: int, model:
                 f"{what}: binary_data_size is {size} but only {len(binary) - offset} bytes of binary "
                 "data remain after the JSON header (is Inference-Header-Content-Length right?)"
             )
-        data: Buffer = binary[offset:end]
+        data = binary[offset:end]
         codec.validate_raw(datatype, shape, data, name=name, model=model)
         offset = end
     else:
@@ -200,7 +217,7 @@ def _json_to_raw(datatype: str, shape: tuple[int, ...], data: Any, name: str) ->
                               f"{list(shape)}") from None
 
 
-def _decode_outputs(raw: Any) -> list[RequestedOutput]:
+def _decode_outputs(raw: Any, shm: SharedMemoryRegistry | None) -> list[RequestedOutput]:
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -217,14 +234,21 @@ def _decode_outputs(raw: Any) -> list[RequestedOutput]:
             raise InvalidArgument(f"output '{name}' already exists in request")
         seen.add(name)
         params = _parameters(item.get("parameters"), f"output '{name}'")
-        if "classification" in params:
-            raise Unsupported(f"output '{name}': the classification extension is not supported")
-        if any(key in params for key in _SHM_KEYS):
-            raise Unsupported(f"output '{name}': {_SHM_HINT}")
+        classes = class_count(params.pop(CLASSIFICATION), name) if CLASSIFICATION in params else 0
         binary = params.pop("binary_data", None)
         if binary is not None and not isinstance(binary, bool):
             raise InvalidArgument(f"output '{name}': binary_data must be true or false, got {binary!r}")
-        outputs.append(RequestedOutput(name=name, binary_data=binary, parameters=params))
+        window = None
+        if any(key in params for key in SHM_KEYS):
+            if shm is None:
+                raise Unsupported(f"output '{name}': {_SHM_HINT}")
+            if binary:
+                raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
+            if classes:
+                raise InvalidArgument("Output can't set both 'shared_memory_region' and 'classification'")
+            window = take_slice(params, name, shm)
+        outputs.append(RequestedOutput(name=name, binary_data=binary, parameters=params, region=window,
+                                       classification=classes))
     return outputs
 
 
@@ -276,6 +300,7 @@ def encode_infer_response(response: InferResponse, decoded: DecodedInfer) -> Enc
     ``binary_data_output`` decides for every output only when none is listed.
     """
     wanted = {o.name: o.binary_data for o in decoded.request.outputs}
+    regions = {o.name: o.region for o in decoded.request.outputs if o.region is not None}
     default_binary = decoded.binary_data_output and not wanted
     out_json: list[dict[str, Any]] = []
     parts: list[Buffer] = []
@@ -284,7 +309,11 @@ def encode_infer_response(response: InferResponse, decoded: DecodedInfer) -> Enc
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         params = dict(tensor.parameters)
         choice = wanted.get(tensor.name)
-        if default_binary if choice is None else choice:
+        window = regions.get(tensor.name)
+        if window is not None:
+            # In the client's region: the entry carries only name, datatype and shape, as Triton's.
+            write_output(window, tensor.name, tensor.data)
+        elif default_binary if choice is None else choice:
             params["binary_data_size"] = memoryview(tensor.data).nbytes
             parts.append(tensor.data)
         else:

@@ -267,23 +267,18 @@ async def test_errors_map_to_codes(
         assert served.core.requests == []  # rejected before the core
 
 
-async def test_shared_memory_and_log_settings_unimplemented(served: Served) -> None:
+async def test_trace_settings_unimplemented(served: Served) -> None:
     def call() -> list[str]:
         statuses = []
         with grpcclient.InferenceServerClient(served.url) as client:
-            for attempt in (
-                lambda: client.register_system_shared_memory("r", "/k", 64),
-                lambda: client.get_cuda_shared_memory_status(),
-                lambda: client.update_log_settings({"log_verbose_level": 1}),
-                lambda: client.get_trace_settings(),
-            ):
+            for attempt in (lambda: client.get_trace_settings(),):
                 with pytest.raises(InferenceServerException) as info:
                     attempt()
                 statuses.append(info.value.status())
                 assert "not supported" in info.value.message()
         return statuses
 
-    assert await asyncio.to_thread(call) == ["StatusCode.UNIMPLEMENTED"] * 4
+    assert await asyncio.to_thread(call) == ["StatusCode.UNIMPLEMENTED"]
 
 
 # ---- deadlines and cancellation --------------------------------------------------

@@ -368,7 +368,7 @@ def test_bad_loads_fail_and_the_server_stays_up(client: grpcclient.InferenceServ
     with pytest.raises(InferenceServerException) as info:
         client.load_model("broken", config=config, files={"file:1/model.onnx": b"\x08\x01 not onnx \xff" * 50})
     assert status_of(info) == "StatusCode.INVALID_ARGUMENT"
-    assert "load failed for model 'broken'" in info.value.message()
+    assert "failed to load 'broken'" in info.value.message()
     with pytest.raises(InferenceServerException) as info:
         client.load_model("ghost")
     assert status_of(info) == "StatusCode.NOT_FOUND"

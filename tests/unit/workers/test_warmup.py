@@ -140,7 +140,7 @@ async def test_samples_run_on_every_instance_before_the_model_is_ready(tmp_path:
 async def test_a_failing_warmup_fails_the_load(tmp_path: Path, warmup: str, words: str) -> None:
     manager, backend = _manager(tmp_path, warmup)
     try:
-        with pytest.raises(InvalidArgument, match="load failed for model 'm'") as info:
+        with pytest.raises(InvalidArgument, match="failed to load 'm'") as info:
             await manager.load("m")
         assert words in info.value.message
         assert not manager.is_ready("m")

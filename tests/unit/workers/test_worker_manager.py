@@ -251,7 +251,7 @@ async def test_reload_swaps_versions_and_a_failed_reload_keeps_serving(
         manager.get("m", "1")  # latest policy: only version 2 now
 
     (tmp_path / "repo" / "m" / "2" / "model.bin").write_text("corrupt")
-    with pytest.raises(InvalidArgument, match="load failed for model 'm': cannot read weights of version 2"):
+    with pytest.raises(InvalidArgument, match="failed to load 'm': cannot read weights of version 2"):
         await manager.load("m")
     np.testing.assert_array_equal(result(await manager.get("m").infer(request())), [0.0, 10.0])
     assert [(r.version, r.state) for r in await manager.index()] == [("2", "READY")]
@@ -308,7 +308,7 @@ async def test_failed_loads(setup: tuple[ModelManager, FakeBackend], tmp_path: P
     with pytest.raises(InferGateError, match="failed to poll from model repository") as info:
         await manager.load("absent")
     assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(InvalidArgument, match="load failed for model 'bad'"):
+    with pytest.raises(InvalidArgument, match="failed to load 'bad'"):
         await manager.load("bad", config_json=CONFIG_JSON.replace("{", '{"name": "bad", ', 1), files={"1/model.bin": b"x"})
     rows = {r.name: r for r in await manager.index()}
     assert "absent" not in rows

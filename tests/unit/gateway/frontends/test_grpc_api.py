@@ -99,7 +99,8 @@ def test_request_parameters() -> None:
     req = decode_infer_request(pb)
     assert (req.priority, req.timeout_us) == (2, 1500)
     assert req.parameters == {"sequence_id": 7, "note": "hi", "scale": 0.5}
-    assert [(o.name, o.parameters) for o in req.outputs] == [("Y", {"classification": 3})]
+    # classification is the frontend's (class_count): taken out of the parameters workers see.
+    assert [(o.name, o.parameters, o.classification) for o in req.outputs] == [("Y", {}, 3)]
 
 
 @pytest.mark.parametrize("key", ["triton_enable_empty_final_response", "triton_anything"])

@@ -94,7 +94,7 @@ def test_parameters_are_consumed_or_passed_through() -> None:
 
 @pytest.mark.parametrize("doc,error", [
     ({"inputs": [], "parameters": {"triton_x": 1}}, InvalidArgument),
-    ({"inputs": [], "outputs": [{"name": "Y", "parameters": {"classification": 3}}]}, Unsupported),
+    ({"inputs": [], "outputs": [{"name": "Y", "parameters": {"classification": "3"}}]}, InvalidArgument),
     ({"inputs": [{"name": "X", "datatype": "FP32", "shape": [1],
                   "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}]}, Unsupported),
     ({"inputs": [{"name": "X", "datatype": "FP32", "shape": [True], "data": [1.0]}]}, InvalidArgument),
