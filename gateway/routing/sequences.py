@@ -18,8 +18,9 @@ be there.
 A sequence whose worker goes DOWN or leaves the cluster is *lost*: its next
 request fails with UNAVAILABLE naming the sequence, the model and the
 worker, and asks for a new START. A DRAINING worker keeps serving the
-sequences pinned to it (it only refuses new ones); ``gateway.fleet.drain``
-waits for them to end.
+sequences pinned to it (it only refuses new ones) as long as the model has
+a READY replica somewhere (requests resolve the model first);
+``gateway.fleet.drain`` waits for them to end and never moves them.
 
 Routes are this gateway's: with several gateways behind a load balancer,
 send all requests of a sequence through one of them (session affinity).

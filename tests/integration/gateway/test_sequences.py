@@ -196,14 +196,29 @@ def test_tritons_streaming_and_asyncio_sequence_examples(cluster: Cluster) -> No
     assert asyncio.run(aio()) == expected_simple(0, VALUES, True, 1000)
 
 
+def executions(proc: Proc) -> int:
+    with grpcclient.InferenceServerClient(worker_url(proc)) as direct:
+        return direct.get_inference_statistics("accumulate").model_stats[0].execution_count
+
+
 def test_errors_and_a_lost_worker(cluster: Cluster) -> None:
-    gateway = cluster.start(workers=1)
+    gateway = cluster.start(workers=2)
     with grpcclient.InferenceServerClient(grpc_url(gateway)) as client:
         with pytest.raises(InferenceServerException, match="must specify a non-zero or non-empty correlation ID"):
             client.infer("accumulate", tensor(grpcclient, 1))
         with pytest.raises(InferenceServerException, match="sequence 9 to model 'accumulate' must specify the START flag"):
             send(client, grpcclient, "accumulate", 9, 1, False, False)
         assert send(client, grpcclient, "accumulate", 5, 2, True, False) == 2
-        cluster.procs[0].kill()
+        # A drain waits for open sequences and moves none: timed out, it says so, and the sequence goes on there.
+        holder = next(p for p in cluster.procs if executions(p) == 1)
+        request = urllib.request.Request(
+            f"http://{http_url(gateway)}/v2/cluster/workers/{worker_url(holder)}/drain?timeout_s=0.3", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            drained = json.loads(response.read())
+        assert (drained["state"], drained["open_sequences"]) == ("draining", 1)
+        assert send(client, grpcclient, "accumulate", 5, 3, False, False) == 5
+        assert executions(holder) == 2
+        holder.kill()
         with pytest.raises(InferenceServerException, match="sequence 5 of model 'accumulate' was lost"):
-            send(client, grpcclient, "accumulate", 5, 3, False, False)
+            send(client, grpcclient, "accumulate", 5, 4, False, False)
