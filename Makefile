@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
-$(MODELS_STAMP): $(STAMP) models/build.py
+$(MODELS_STAMP): $(STAMP) models/build.py models/sequences.py
 	$(VENV)/bin/infergate models build models
 	@touch $(MODELS_STAMP)
 

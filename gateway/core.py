@@ -35,6 +35,7 @@ from gateway.parallel.serving import ParallelModels
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
+from gateway.routing.sequences import SequenceRoutes, is_stateful
 from gateway.security.setup import worker_client_factory
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFound, Unavailable
@@ -99,6 +100,8 @@ class Gateway:
         self.fleet = Fleet(config, self.cluster)
         self.placement = self.fleet.placement
         self.stats = GatewayStats()
+        # Stateful models (sequence_batching): each sequence pinned to the worker holding its state.
+        self.sequences = SequenceRoutes(self.cluster, self.router)
         # Triton's response cache, for models whose config enables it (off at cache_size 0).
         self.cache = ResponseCache(config.cache_size)
         # Ensembles (platform "ensemble"): each step runs as a request of its own through _infer.
@@ -141,6 +144,7 @@ class Gateway:
             await asyncio.gather(*(b.close(grace) for b in batchers), return_exceptions=True)
         await self.fleet.stop()
         await self.parallel.stop()
+        self.sequences.close()
         await self.cluster.stop()
 
     def batchers(self) -> dict[tuple[str, str], Batcher]:
@@ -234,6 +238,8 @@ class Gateway:
         if not ensemble:  # an ensemble is placed through its steps
             self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
         miss: Lookup | None = None
+        if is_stateful(info.config):
+            return await self._infer_in_sequence(request, info.config, version, rows, started)
         if self.cache.enabled and cache_enabled(info.config):
             # A hit is answered here: it never reaches a batcher, so batches hold only misses.
             found = self.cache.lookup(request)
@@ -269,6 +275,22 @@ class Gateway:
         queue_ns = _ns(max(0.0, request.dispatched - started))
         total_s = time.monotonic() - started
         self.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)
+        self.latency.observe(request.model, version, total_s)
+        return response
+
+    async def _infer_in_sequence(
+        self, request: InferRequest, config: model_config_pb2.ModelConfig, version: str, rows: int, started: float
+    ) -> InferResponse:
+        """A request of a stateful sequence: alone, in order, on the worker holding the sequence (no cache, no batch)."""
+        request.dispatched = started
+        try:
+            response = await self.sequences.infer(request, config)
+        except InferGateError as e:
+            self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
+            raise
+        total_s = time.monotonic() - started
+        self.stats.record_execution(request.model, version, rows, _ns(total_s))
+        self.stats.record_success(request.model, version, rows, _ns(total_s), 0)
         self.latency.observe(request.model, version, total_s)
         return response
 

@@ -2,8 +2,9 @@
 
 Owns the example models (``simple``, ``mlp``, ``cnn``, ``encoder``, the
 string models ``identity_string`` and ``string_to_int``, and the ``classify``
-ensemble: ``preprocess`` -> ``cnn`` -> ``postprocess``), the benchmark's
-compute-bound ``cnn_large`` (``--bench``, built only on request), their weights
+ensemble: ``preprocess`` -> ``cnn`` -> ``postprocess``; the stateful models of
+``models.sequences``), the benchmark's compute-bound ``cnn_large``
+(``--bench``, built only on request), their weights
 (seeded, so every build writes the same bytes) and the
 ``infergate models build|list [DIR]`` subcommand. Each model's ``config.pbtxt``
 is derived from its ONNX graph signature, so the two cannot disagree.
@@ -29,6 +30,8 @@ import onnx
 from google.protobuf import text_format
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.grpc import model_config_pb2 as mc
+
+from models.sequences import SEQUENCE_MODEL_NAMES, SEQUENCE_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -329,8 +332,8 @@ EXAMPLE_ENSEMBLES: tuple[Callable[[], mc.ModelConfig], ...] = (classify_config,)
 
 
 def example_names() -> list[str]:
-    """Every model of the example repository, ensembles included, in build order."""
-    return [m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES]
+    """Every model of the example repository, ensembles and stateful models included, in build order."""
+    return [m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES] + list(SEQUENCE_MODEL_NAMES)
 
 
 def _config_dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
@@ -403,6 +406,12 @@ def build_repository(path: str | Path, models: tuple[ExampleModel, ...] = EXAMPL
         (root / config.name / "1").mkdir(parents=True, exist_ok=True)
         _write_if_changed(root / config.name / "config.pbtxt", (CONFIG_HEADER + text_format.MessageToString(config)).encode())
         logger.info("built ensemble %s in %s", config.name, root)
+        names.append(config.name)
+    for build_sequence in SEQUENCE_MODELS:
+        model, config = build_sequence()
+        _write_if_changed(root / config.name / "1" / "model.onnx", model.SerializeToString())
+        _write_if_changed(root / config.name / "config.pbtxt", (CONFIG_HEADER + text_format.MessageToString(config)).encode())
+        logger.info("built stateful model %s in %s", config.name, root)
         names.append(config.name)
     return names
 

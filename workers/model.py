@@ -18,11 +18,14 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
-from protos.errors import Internal, Overloaded, Unsupported
+from protos.errors import Internal, InvalidArgument, Overloaded, Unsupported
 from workers.backends.base import ModelInstance
+from workers.sequences import SequenceBook, SequenceSettings, read_flags
 from workers.stats import ExecutionTiming, ModelStats
 from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
 
@@ -49,6 +52,9 @@ class LoadedModel:
         self._instances = list(instances)
         # An ensemble's version holds only its config: the gateway runs its steps.
         self.gateway_only = config.platform == "ensemble"
+        # A stateful model (`sequence_batching`): its open sequences and their state.
+        settings = SequenceSettings.from_config(config)
+        self.sequences = SequenceBook(self.name, settings, config.max_batch_size > 0) if settings else None
         # Idle instances. An instance is in here or held by exactly one request.
         self._free: asyncio.Queue[ModelInstance] = asyncio.Queue()
         for instance in self._instances:
@@ -73,15 +79,18 @@ class LoadedModel:
         self._idle.clear()
         try:
             checked = check_request(self.signature, request)
-            instance = await self._acquire()
-            try:
-                ready = clock()
-                inputs = decode_inputs(self.signature, request)
-                decoded = clock()
-                outputs = await instance.infer(inputs, checked.output_names)
-                ran = clock()
-            finally:
-                self._release(instance)
+            if self.sequences is None:
+                instance = await self._acquire()
+                try:
+                    ready = clock()
+                    inputs = decode_inputs(self.signature, request)
+                    decoded = clock()
+                    outputs = await instance.infer(inputs, checked.output_names)
+                    ran = clock()
+                finally:
+                    self._release(instance)
+            else:
+                ready, decoded, outputs, ran = await self._infer_in_sequence(request, checked.batch_size, checked.output_names)
             missing = [name for name in checked.output_names if name not in outputs]
             if missing:
                 logger.error("model %s version %s: backend returned no %s", self.name, self.version, missing)
@@ -106,6 +115,36 @@ class LoadedModel:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    async def _infer_in_sequence(
+        self, request: service_pb2.ModelInferRequest, batch_size: int, output_names: list[str]
+    ) -> tuple[int, int, dict[str, np.ndarray], int]:
+        """One request of a sequence, after the earlier ones of its sequence (see ``workers.sequences``)."""
+        book = self.sequences
+        assert book is not None
+        if self.config.max_batch_size > 0 and batch_size != 1:
+            raise InvalidArgument(
+                f"inference request to model '{self.name}' must specify batch-size 1 due to requirements of sequence batcher"
+            )
+        flags = read_flags(self.name, request.parameters)
+        sequence = book.open(flags)  # no await since infer() began: arrival order is lock order
+        outputs: dict[str, np.ndarray] | None = None
+        try:
+            async with sequence.lock:
+                instance = await self._acquire()
+                try:
+                    ready = time.perf_counter_ns()
+                    inputs = decode_inputs(self.signature, request)
+                    inputs.update(book.feeds(sequence, flags, batch_size))
+                    decoded = time.perf_counter_ns()
+                    wanted = list(dict.fromkeys([*output_names, *book.state_outputs()]))
+                    outputs = await instance.infer(inputs, wanted)
+                    ran = time.perf_counter_ns()
+                finally:
+                    self._release(instance)
+        finally:
+            book.finish(sequence, flags, outputs)
+        return ready, decoded, outputs, ran
 
     async def _acquire(self) -> ModelInstance:
         # Take the fast path only when nobody waits: a waiter woken by _release

@@ -9,7 +9,11 @@ The procedure (:func:`drain_worker`), in this order:
 2. each of those models gets a READY replica elsewhere (the placement
    controller loads them); until then the worker keeps serving them;
 3. the worker turns DRAINING: the router sends it no new batch;
-4. the batches already sent there finish (its in-flight count drops to 0).
+4. the batches already sent there finish (its in-flight count drops to 0),
+   and the stateful sequences pinned there end (``gateway.routing.sequences``):
+   a sequence's state lives on its worker, so it is never moved; a drain
+   that times out first answers ``state: draining`` with ``open_sequences``,
+   and the worker keeps serving them until they end.
 
 Then the worker can be stopped; a registered worker deregisters as it stops.
 If some model cannot be placed elsewhere within the timeout, the drain is
@@ -82,13 +86,20 @@ async def drain_worker(gateway: Gateway, address: str, *, timeout_s: float, forc
                               "force=true to drain anyway", "address": address, "stranded": left}
     if cluster.worker(address) is worker and not worker.draining:
         cluster.set_draining(address, True)
-    # Polling a condition (the router's in-flight count), bounded by the deadline.
-    while worker.inflight > 0 and loop.time() < deadline:
+    # Polling a condition (the router's in-flight count, the sequences pinned
+    # there), bounded by the deadline. Open sequences are never moved: their
+    # state lives on this worker, which keeps serving them while DRAINING.
+    def open_sequences() -> int:
+        return gateway.sequences.open_on(address)
+
+    while (worker.inflight > 0 or open_sequences() > 0) and loop.time() < deadline:
         await asyncio.sleep(INFLIGHT_POLL_S)
-    state = "drained" if worker.inflight == 0 else "draining"
-    log.info("worker %s %s (%d batch(es) still in flight)", address, state, worker.inflight)
+    sequences = open_sequences()
+    state = "drained" if worker.inflight == 0 and sequences == 0 else "draining"
+    log.info("worker %s %s (%d batch(es) still in flight, %d open sequence(s))", address, state, worker.inflight,
+             sequences)
     return 200, {"address": address, "state": state, "moved": [n for n in models if n not in left],
-                 "stranded": left, "inflight": worker.inflight}
+                 "stranded": left, "inflight": worker.inflight, "open_sequences": sequences}
 
 
 def undrain_worker(gateway: Gateway, address: str) -> tuple[int, dict[str, Any]]:

@@ -238,6 +238,20 @@ class Router:
         finally:
             slot_taken()
 
+    async def acquire(self, model: str, version: str, deadline: float | None) -> WorkerState:
+        """A replica for a new stateful sequence: the least loaded one with a free slot (waits within the deadline)."""
+        return await self._acquire(model, version, deadline, set())
+
+    async def send_to(
+        self, worker: WorkerState, model: str, version: str, request: service_pb2.ModelInferRequest,
+        deadline: float | None,
+    ) -> service_pb2.ModelInferResponse:
+        """``request`` on ``worker`` and nowhere else (a sequence's state lives there): no retry, no hedge."""
+        try:
+            return await self._attempt(worker, model, version, request, deadline)
+        except AttemptFailed as e:
+            raise e.error from None
+
     async def _attempt(
         self, worker: WorkerState, model: str, version: str, request: service_pb2.ModelInferRequest,
         deadline: float | None, slot_taken: Callable[[], None] | None = None,

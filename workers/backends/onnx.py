@@ -42,6 +42,7 @@ from protos.errors import InvalidArgument
 from workers.backends.base import BackendOptions, Placement
 from workers.backends.run_errors import classify_run_error
 from workers.devices import cpu_count, cuda_device_count
+from workers.sequences import server_filled_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ class OnnxBackend:
             _check_against_model(config, tensor, model_inputs, "input")
         for tensor in config.output:
             _check_against_model(config, tensor, model_outputs, "output")
-        declared = {t.name for t in config.input}
+        # Control and state inputs of a stateful model are filled in by the worker (workers.sequences).
+        declared = {t.name for t in config.input} | server_filled_inputs(config)
         missing = [name for name in model_inputs if name not in declared]
         if missing:
             raise InvalidArgument(f"model '{config.name}': config lists no input {missing}, which the model needs")
