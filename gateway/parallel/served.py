@@ -26,12 +26,13 @@ class ParallelStats:
     failures: int
     retries: int  # batches rerun after a shard had no copy left
     replaced: int  # slots moved to another worker
-    shard_calls: int
+    shard_calls: int  # gateway -> worker calls (shard runs, or one group run per rank)
     plan_s: float  # wall time of plan runs
     remote_s: float  # waiting on workers (per segment: first call out to last answer in)
     collective_s: float  # the gateway's side between segments: decode, sum/concat, encode
     bytes_sent: int
     bytes_received: int
+    peer_bytes: int = 0  # tensor bytes moved worker to worker (peer collectives, pipeline hand-offs)
 
 
 @dataclass(slots=True, eq=False)
@@ -63,7 +64,8 @@ class ServedModel:
         return ParallelStats(
             self.spec.name, int(c.get("batches", 0)), int(c.get("failures", 0)), int(c.get("retries", 0)),
             int(c.get("replaced", 0)), int(c.get("shard_calls", 0)), c.get("plan_s", 0.0), c.get("remote_s", 0.0),
-            c.get("collective_s", 0.0), int(c.get("bytes_sent", 0)), int(c.get("bytes_received", 0)))
+            c.get("collective_s", 0.0), int(c.get("bytes_sent", 0)), int(c.get("bytes_received", 0)),
+            int(c.get("peer_bytes", 0)))
 
     def wake(self) -> None:
         """Resolve every capacity waiter (a batch finished, or hosts changed)."""
