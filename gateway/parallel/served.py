@@ -9,11 +9,13 @@ registry (``serving``) reads and updates it between awaits; placement changes
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 
 from gateway.fleet.cluster import ModelInfo
 from gateway.parallel.logical import LogicalSpec
 from gateway.parallel.placement import SlotKey
+from protos.collective_pb2 import Step
 from splitter.layout_split import LayoutSplit
 
 
@@ -36,6 +38,19 @@ class ParallelStats:
 
 
 @dataclass(slots=True, eq=False)
+class PeerGroup:
+    """One copy of a logical model as a collective group."""
+
+    id: str
+    replica: int
+    epoch: int
+    members: tuple[str, ...]  # worker address per slot (rank or stage)
+    ready: bool = True
+    inflight: int = 0
+    batches: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+
+@dataclass(slots=True, eq=False)
 class ServedModel:
     """One logical model: its split, signature, placement and load."""
 
@@ -46,6 +61,7 @@ class ServedModel:
     digests: dict[str, str]  # shard -> content digest (a worker holding it needs no push)
     info: ModelInfo  # what clients see: the source's signature under this name
     limit: int  # batches in flight at once
+    slot_steps: tuple[tuple[Step, ...], ...] = ()  # per slot, for peer groups (empty: the star only)
     loaded: bool = True
     placement: dict[SlotKey, str] = field(default_factory=dict)
     down_since: dict[SlotKey, float] = field(default_factory=dict)
@@ -55,6 +71,8 @@ class ServedModel:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     repair: asyncio.Task[None] | None = None
     counters: dict[str, float] = field(default_factory=dict)
+    groups: dict[int, PeerGroup] = field(default_factory=dict)  # replica -> its peer group
+    group_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def count(self, key: str, value: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + value
