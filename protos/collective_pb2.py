@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/collective.proto\x12\x17infergate.collective.v1\"D\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0b\n\x03raw\x18\x04 \x01(\x0c\"J\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\x12\x0c\n\x04\x61xis\x18\x03 \x01(\x05\x12\x0e\n\x06pieces\x18\x04 \x03(\x03\"~\n\x04Step\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12\x35\n\nboundaries\x18\x04 \x03(\x0b\x32!.infergate.collective.v1.Boundary\x12\x0f\n\x07\x66orward\x18\x05 \x03(\t\"\x8d\x01\n\x11SetupGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12,\n\x05steps\x18\x06 \x03(\x0b\x32\x1d.infergate.collective.v1.Step\"\x14\n\x12SetupGroupResponse\"7\n\x14TeardownGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"&\n\x15TeardownGroupResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x81\x01\n\nRunRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x04\x12/\n\x06inputs\x18\x04 \x03(\x0b\x32\x1f.infergate.collective.v1.Tensor\x12\x0f\n\x07outputs\x18\x05 \x03(\t\"S\n\x0bRunResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.infergate.collective.v1.Tensor\x12\x12\n\npeer_bytes\x18\x02 \x01(\x04\"\x94\x01\n\x0bPeerMessage\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0bsource_rank\x18\x05 \x01(\r\x12/\n\x06tensor\x18\x06 \x01(\x0b\x32\x1f.infergate.collective.v1.Tensor\"\x12\n\x10\x45xchangeResponse2\x94\x03\n\nCollective\x12\x65\n\nSetupGroup\x12*.infergate.collective.v1.SetupGroupRequest\x1a+.infergate.collective.v1.SetupGroupResponse\x12n\n\rTeardownGroup\x12-.infergate.collective.v1.TeardownGroupRequest\x1a..infergate.collective.v1.TeardownGroupResponse\x12P\n\x03Run\x12#.infergate.collective.v1.RunRequest\x1a$.infergate.collective.v1.RunResponse\x12]\n\x08\x45xchange\x12$.infergate.collective.v1.PeerMessage\x1a).infergate.collective.v1.ExchangeResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/collective.proto\x12\x17infergate.collective.v1\"D\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0b\n\x03raw\x18\x04 \x01(\x0c\"J\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\x12\x0c\n\x04\x61xis\x18\x03 \x01(\x05\x12\x0e\n\x06pieces\x18\x04 \x03(\x03\"~\n\x04Step\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x0f\n\x07outputs\x18\x03 \x03(\t\x12\x35\n\nboundaries\x18\x04 \x03(\x0b\x32!.infergate.collective.v1.Boundary\x12\x0f\n\x07\x66orward\x18\x05 \x03(\t\"\x8d\x01\n\x11SetupGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05peers\x18\x04 \x03(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12,\n\x05steps\x18\x06 \x03(\x0b\x32\x1d.infergate.collective.v1.Step\"\x14\n\x12SetupGroupResponse\"7\n\x14TeardownGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"&\n\x15TeardownGroupResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x8f\x01\n\nRunRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x04\x12/\n\x06inputs\x18\x04 \x03(\x0b\x32\x1f.infergate.collective.v1.Tensor\x12\x0f\n\x07outputs\x18\x05 \x03(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\"S\n\x0bRunResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.infergate.collective.v1.Tensor\x12\x12\n\npeer_bytes\x18\x02 \x01(\x04\"\xa9\x01\n\x0bPeerMessage\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0bsource_rank\x18\x05 \x01(\r\x12/\n\x06tensor\x18\x06 \x01(\x0b\x32\x1f.infergate.collective.v1.Tensor\x12\x13\n\x0btarget_rank\x18\x07 \x01(\r\"\x12\n\x10\x45xchangeResponse2\x94\x03\n\nCollective\x12\x65\n\nSetupGroup\x12*.infergate.collective.v1.SetupGroupRequest\x1a+.infergate.collective.v1.SetupGroupResponse\x12n\n\rTeardownGroup\x12-.infergate.collective.v1.TeardownGroupRequest\x1a..infergate.collective.v1.TeardownGroupResponse\x12P\n\x03Run\x12#.infergate.collective.v1.RunRequest\x1a$.infergate.collective.v1.RunResponse\x12]\n\x08\x45xchange\x12$.infergate.collective.v1.PeerMessage\x1a).infergate.collective.v1.ExchangeResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,13 +46,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEARDOWNGROUPRESPONSE']._serialized_start=549
   _globals['_TEARDOWNGROUPRESPONSE']._serialized_end=587
   _globals['_RUNREQUEST']._serialized_start=590
-  _globals['_RUNREQUEST']._serialized_end=719
-  _globals['_RUNRESPONSE']._serialized_start=721
-  _globals['_RUNRESPONSE']._serialized_end=804
-  _globals['_PEERMESSAGE']._serialized_start=807
-  _globals['_PEERMESSAGE']._serialized_end=955
-  _globals['_EXCHANGERESPONSE']._serialized_start=957
-  _globals['_EXCHANGERESPONSE']._serialized_end=975
-  _globals['_COLLECTIVE']._serialized_start=978
-  _globals['_COLLECTIVE']._serialized_end=1382
+  _globals['_RUNREQUEST']._serialized_end=733
+  _globals['_RUNRESPONSE']._serialized_start=735
+  _globals['_RUNRESPONSE']._serialized_end=818
+  _globals['_PEERMESSAGE']._serialized_start=821
+  _globals['_PEERMESSAGE']._serialized_end=990
+  _globals['_EXCHANGERESPONSE']._serialized_start=992
+  _globals['_EXCHANGERESPONSE']._serialized_end=1010
+  _globals['_COLLECTIVE']._serialized_start=1013
+  _globals['_COLLECTIVE']._serialized_end=1417
 # @@protoc_insertion_point(module_scope)

@@ -79,18 +79,20 @@ class TeardownGroupResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("group_id", "epoch", "batch_id", "inputs", "outputs")
+    __slots__ = ("group_id", "epoch", "batch_id", "inputs", "outputs", "rank")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     epoch: int
     batch_id: int
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    rank: int
+    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RunResponse(_message.Message):
     __slots__ = ("outputs", "peer_bytes")
@@ -101,20 +103,22 @@ class RunResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., peer_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("group_id", "epoch", "batch_id", "step", "source_rank", "tensor")
+    __slots__ = ("group_id", "epoch", "batch_id", "step", "source_rank", "tensor", "target_rank")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     epoch: int
     batch_id: int
     step: int
     source_rank: int
     tensor: Tensor
-    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    target_rank: int
+    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., target_rank: _Optional[int] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
     __slots__ = ()

@@ -57,7 +57,7 @@ class Groups:
         self._manager = manager
         self._links = links
         self._mailbox = mailbox
-        self._groups: dict[str, Group] = {}
+        self._groups: dict[tuple[str, int], Group] = {}  # (group id, rank): a worker may hold two ranks
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -74,34 +74,34 @@ class Groups:
             for b in step.boundaries:
                 if b.collective not in (NONE, ALLREDUCE_SUM, ALLGATHER):
                     raise InvalidArgument(f"group {request.group_id}: unknown collective {b.collective!r}")
-        current = self._groups.get(request.group_id)
+        current = self._groups.get((request.group_id, request.rank))
         if current is not None and current.epoch > request.epoch:
             raise InvalidArgument(f"group {request.group_id}: epoch {request.epoch} is older than {current.epoch}")
-        if current is not None:
+        if current is not None and current.epoch < request.epoch:
             self._mailbox.drop_group(request.group_id)
-        self._groups[request.group_id] = Group(request.group_id, request.epoch, request.rank, tuple(request.peers),
+        self._groups[(request.group_id, request.rank)] = Group(request.group_id, request.epoch, request.rank, tuple(request.peers),
                                                request.kind, tuple(request.steps))
         log.info("group %s epoch %d: rank %d of %d (%s, %d steps)", request.group_id, request.epoch, request.rank,
                  len(request.peers), request.kind, len(request.steps))
 
     def teardown(self, group_id: str, epoch: int) -> bool:
-        current = self._groups.get(group_id)
-        if current is None or (epoch and current.epoch != epoch):
-            return False
-        del self._groups[group_id]
-        self._mailbox.drop_group(group_id)
-        log.info("group %s epoch %d: torn down", group_id, current.epoch)
-        return True
+        """Drop every rank of the group this worker holds (at ``epoch``; 0: any)."""
+        keys = [k for k, g in self._groups.items() if k[0] == group_id and (not epoch or g.epoch == epoch)]
+        for key in keys:
+            log.info("group %s epoch %d rank %d: torn down", group_id, self._groups.pop(key).epoch, key[1])
+        if keys:
+            self._mailbox.drop_group(group_id)
+        return bool(keys)
 
-    def _group(self, group_id: str, epoch: int) -> Group:
-        group = self._groups.get(group_id)
+    def _group(self, group_id: str, rank: int, epoch: int) -> Group:
+        group = self._groups.get((group_id, rank))
         if group is None or group.epoch != epoch:
             have = "not set up" if group is None else f"at epoch {group.epoch}"
             raise GroupNotSetUp(f"group {group_id} epoch {epoch} is {have} on this worker")
         return group
 
     async def run(self, request: RunRequest, timeout_s: float | None) -> RunResponse:
-        group = self._group(request.group_id, request.epoch)
+        group = self._group(request.group_id, request.rank, request.epoch)
         timeout = DEFAULT_TIMEOUT_S if timeout_s is None else max(timeout_s, 0.0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -112,7 +112,7 @@ class Groups:
         try:
             sent = await self._run_rank(group, key, store, deadline)
         finally:
-            self._mailbox.finish(key)
+            self._mailbox.finish(key, group.rank)
         response = RunResponse(peer_bytes=sent)
         if group.rank == 0:
             response.outputs.extend(to_message(name, store[name]) for name in request.outputs)
@@ -144,8 +144,11 @@ class Groups:
                 try:
                     async with asyncio.TaskGroup() as tasks:
                         for r in others:
-                            tasks.create_task(self._links.send(group.peers[r], message))
-                        received = {r: tasks.create_task(self._mailbox.receive(key, exchange, r, remaining))
+                            addressed = PeerMessage()
+                            addressed.CopyFrom(message)
+                            addressed.target_rank = r
+                            tasks.create_task(self._links.send(group.peers[r], addressed))
+                        received = {r: tasks.create_task(self._mailbox.receive(key, exchange, r, group.rank, remaining))
                                     for r in others}
                 except ExceptionGroup as failed:
                     raise _first(failed) from None
@@ -162,7 +165,7 @@ class Groups:
         await self._run_step(step, store)
         if group.rank == len(group.peers) - 1:
             return RunResponse(outputs=[to_message(name, store[name]) for name in request.outputs])
-        onward = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=request.batch_id,
+        onward = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=request.batch_id, rank=group.rank + 1,
                             inputs=[to_message(name, store[name]) for name in step.forward],
                             outputs=request.outputs)
         remaining = deadline - asyncio.get_running_loop().time()

@@ -202,12 +202,15 @@ class GatewayCollector(Collector):
             "infergate_parallel_peer_bytes", "Tensor bytes split models moved between workers (peer collectives, stage hand-offs)",
             labels=["model"])
         batches = CounterMetricFamily("infergate_parallel_batches", "Batches split models ran", labels=["model"])
+        groups = GaugeMetricFamily("infergate_parallel_groups_ready",
+                                   "Copies of a split model set up as peer groups and serving", labels=["model"])
         parallel = getattr(self._gw, "parallel", None)
         for name, s in sorted((parallel.stats() if parallel is not None else {}).items()):
             calls.add_metric([name], s.shard_calls)
             peer.add_metric([name], s.peer_bytes)
             batches.add_metric([name], s.batches)
-        yield from (calls, peer, batches)
+            groups.add_metric([name], s.groups_ready)
+        yield from (calls, peer, batches, groups)
 
 
 def add_metrics_routes(app: web.Application, gateway: Gateway) -> None:

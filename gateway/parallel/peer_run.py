@@ -55,7 +55,7 @@ async def run_on_group(
         worker = cluster.worker(address)
         if worker is None:
             raise Unavailable(f"group {group.id}: worker {address} left the cluster")
-        call = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=batch_id, inputs=inputs,
+        call = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=batch_id, rank=rank, inputs=inputs,
                           outputs=output_names if rank == 0 else [])
         calls.append(worker.client.run_group(call, timeout_s))
     started = time.perf_counter()

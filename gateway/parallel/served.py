@@ -35,6 +35,7 @@ class ParallelStats:
     bytes_sent: int
     bytes_received: int
     peer_bytes: int = 0  # tensor bytes moved worker to worker (peer collectives, pipeline hand-offs)
+    groups_ready: int = 0  # copies set up as peer groups and serving now
 
 
 @dataclass(slots=True, eq=False)
@@ -83,7 +84,7 @@ class ServedModel:
             self.spec.name, int(c.get("batches", 0)), int(c.get("failures", 0)), int(c.get("retries", 0)),
             int(c.get("replaced", 0)), int(c.get("shard_calls", 0)), c.get("plan_s", 0.0), c.get("remote_s", 0.0),
             c.get("collective_s", 0.0), int(c.get("bytes_sent", 0)), int(c.get("bytes_received", 0)),
-            int(c.get("peer_bytes", 0)))
+            int(c.get("peer_bytes", 0)), sum(g.ready for g in self.groups.values()))
 
     def wake(self) -> None:
         """Resolve every capacity waiter (a batch finished, or hosts changed)."""

@@ -290,10 +290,11 @@ def test_parallel_counters_read_the_registry(gw: FakeGateway) -> None:
     samples, types, _ = scrape(gw)
     assert not any(name.startswith("infergate_parallel_") for name, _ in samples)  # no split models: no series
     stats = ParallelStats("encoder_tp2", batches=3, failures=0, retries=0, replaced=0, shard_calls=6, plan_s=0.1,
-                          remote_s=0.05, collective_s=0.05, bytes_sent=10, bytes_received=20, peer_bytes=4096)
+                          remote_s=0.05, collective_s=0.05, bytes_sent=10, bytes_received=20, peer_bytes=4096, groups_ready=1)
     gw.parallel = SimpleNamespace(stats=lambda: {"encoder_tp2": stats})  # type: ignore[attr-defined]
     samples, types, _ = scrape(gw)
     assert types["infergate_parallel_worker_calls"] == "counter"
     assert samples[key("infergate_parallel_worker_calls_total", model="encoder_tp2")] == 6
     assert samples[key("infergate_parallel_peer_bytes_total", model="encoder_tp2")] == 4096
     assert samples[key("infergate_parallel_batches_total", model="encoder_tp2")] == 3
+    assert samples[key("infergate_parallel_groups_ready", model="encoder_tp2")] == 1
