@@ -1,9 +1,10 @@
 """Builds the example model repository: ONNX graphs plus Triton ``config.pbtxt``.
 
 Owns the example models (``simple``, ``mlp``, ``cnn``, ``encoder``, and the
-string models ``identity_string`` and ``string_to_int``), their weights
-(seeded, so every build writes the same bytes) and the
-``infergate models build|list [DIR]`` subcommand. Each model's ``config.pbtxt``
+string models ``identity_string`` and ``string_to_int``; with ``--large``
+also ``encoder_large``, the same encoder at hidden 1024, a model big enough
+that splitting it pays), their weights (seeded, so every build writes the
+same bytes) and the ``infergate models build [--large]|list [DIR]`` subcommand. Each model's ``config.pbtxt``
 is derived from its ONNX graph signature, so the two cannot disagree.
 
 The dense layers are ``MatMul(activation, 2-D weight initializer)`` followed by
@@ -43,6 +44,23 @@ N_HEADS = 4
 HEAD_DIM = D_MODEL // N_HEADS
 D_FF = 256
 N_LAYERS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderShape:
+    d_model: int
+    heads: int
+    d_ff: int
+    layers: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+ENCODER = EncoderShape(D_MODEL, N_HEADS, D_FF, N_LAYERS)
+# ~200 MB of fp32 weights: a matrix-multiply-bound model where splitting pays.
+ENCODER_LARGE = EncoderShape(d_model=1024, heads=16, d_ff=4096, layers=4)
 
 _TRITON_DTYPES: dict[int, int] = {
     TensorProto.STRING: mc.TYPE_STRING,
@@ -174,10 +192,10 @@ def build_cnn() -> onnx.ModelProto:
     return g.model()
 
 
-def _attention(g: GraphBuilder, x: str, prefix: str) -> str:
+def _attention(g: GraphBuilder, x: str, prefix: str, shape: EncoderShape) -> str:
     """Multi-head self-attention, no mask; heads split by constant-shape Reshapes."""
-    heads_shape = np.array([0, 0, N_HEADS, HEAD_DIM], dtype=np.int64)
-    q, k, v = (g.linear(x, f"{prefix}.{n}", D_MODEL, D_MODEL) for n in ("q", "k", "v"))
+    heads_shape = np.array([0, 0, shape.heads, shape.head_dim], dtype=np.int64)
+    q, k, v = (g.linear(x, f"{prefix}.{n}", shape.d_model, shape.d_model) for n in ("q", "k", "v"))
     # One shape initializer per Reshape, so a splitter can rewrite each independently.
     q = g.op("Reshape", q, g.const(f"{prefix}.q.heads_shape", heads_shape))
     k = g.op("Reshape", k, g.const(f"{prefix}.k.heads_shape", heads_shape))
@@ -185,20 +203,21 @@ def _attention(g: GraphBuilder, x: str, prefix: str) -> str:
     q = g.op("Transpose", q, perm=[0, 2, 1, 3])  # [B, nh, S, hd]
     k = g.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, nh, hd, S]
     v = g.op("Transpose", v, perm=[0, 2, 1, 3])  # [B, nh, S, hd]
-    scores = g.op("Mul", g.op("MatMul", q, k), g.scalar(1.0 / math.sqrt(HEAD_DIM)))
+    scores = g.op("Mul", g.op("MatMul", q, k), g.scalar(1.0 / math.sqrt(shape.head_dim)))
     probs = g.op("Softmax", scores, out=f"{prefix}.probs", axis=-1)
     context = g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3])  # [B, S, nh, hd]
-    merged_shape = g.const(f"{prefix}.merge_shape", np.array([0, 0, D_MODEL], dtype=np.int64))
+    merged_shape = g.const(f"{prefix}.merge_shape", np.array([0, 0, shape.d_model], dtype=np.int64))
     context = g.op("Reshape", context, merged_shape, out=f"{prefix}.context")
-    return g.linear(context, f"{prefix}.o", D_MODEL, D_MODEL)
+    return g.linear(context, f"{prefix}.o", shape.d_model, shape.d_model)
 
 
-def build_encoder() -> onnx.ModelProto:
+def build_encoder(shape: EncoderShape = ENCODER, name: str = "encoder", seed: int = 3) -> onnx.ModelProto:
     """Token ids [B, S] -> pre-LN transformer encoder -> hidden states [B, S, d_model]."""
-    g = GraphBuilder("encoder", seed=3)
+    g = GraphBuilder(name, seed=seed)
+    width = shape.d_model
     tokens = g.input("TOKENS", TensorProto.INT64, ["batch", "seq"])
-    token_table = g.random("embed.tokens", (VOCAB_SIZE, D_MODEL), std=1.0)
-    position_table = g.random("embed.positions", (MAX_SEQ_LEN, D_MODEL), std=0.5)
+    token_table = g.random("embed.tokens", (VOCAB_SIZE, width), std=1.0)
+    position_table = g.random("embed.positions", (MAX_SEQ_LEN, width), std=0.5)
     seq_len = g.op("Shape", tokens, out="embed.seq_len", start=1, end=2)
     positions = g.op(
         "Slice",
@@ -209,15 +228,20 @@ def build_encoder() -> onnx.ModelProto:
         out="embed.positions_used",
     )
     x = g.op("Add", g.op("Gather", token_table, tokens, out="embed.gather", axis=0), positions, out="embed.out")
-    for layer in range(N_LAYERS):
+    for layer in range(shape.layers):
         p = f"layer{layer}"
-        attn = _attention(g, g.layer_norm(x, f"{p}.ln1", D_MODEL), f"{p}.attn")
+        attn = _attention(g, g.layer_norm(x, f"{p}.ln1", width), f"{p}.attn", shape)
         x = g.op("Add", x, attn, out=f"{p}.attn_residual")
-        hidden = g.gelu(g.linear(g.layer_norm(x, f"{p}.ln2", D_MODEL), f"{p}.mlp.fc1", D_MODEL, D_FF))
-        x = g.op("Add", x, g.linear(hidden, f"{p}.mlp.fc2", D_FF, D_MODEL), out=f"{p}.mlp_residual")
-    g.layer_norm(x, "final_ln", D_MODEL, out="HIDDEN")
-    g.output("HIDDEN", TensorProto.FLOAT, ["batch", "seq", D_MODEL])
+        hidden = g.gelu(g.linear(g.layer_norm(x, f"{p}.ln2", width), f"{p}.mlp.fc1", width, shape.d_ff))
+        x = g.op("Add", x, g.linear(hidden, f"{p}.mlp.fc2", shape.d_ff, width), out=f"{p}.mlp_residual")
+    g.layer_norm(x, "final_ln", width, out="HIDDEN")
+    g.output("HIDDEN", TensorProto.FLOAT, ["batch", "seq", width])
     return g.model()
+
+
+def build_encoder_large() -> onnx.ModelProto:
+    """``encoder`` at hidden 1024, 16 heads, FFN 4096, 4 layers (sequences up to 128 tokens)."""
+    return build_encoder(ENCODER_LARGE, "encoder_large", seed=6)
 
 
 def build_identity_string() -> onnx.ModelProto:
@@ -253,6 +277,10 @@ EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
     ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
     ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
+)
+# Built only on request (`--large`): ~200 MB, for the model-parallel benchmark.
+LARGE_MODELS: tuple[ExampleModel, ...] = (
+    ExampleModel("encoder_large", build_encoder_large, max_batch_size=8, dynamic_batching=True),
 )
 
 
@@ -301,11 +329,12 @@ def _write_if_changed(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def build_repository(path: str | Path) -> list[str]:
-    """Writes ``<path>/<name>/config.pbtxt`` and ``<path>/<name>/1/model.onnx`` for each example model."""
+def build_repository(path: str | Path, *, large: bool = False) -> list[str]:
+    """Writes ``<path>/<name>/config.pbtxt`` and ``<path>/<name>/1/model.onnx`` for each example
+    model (and, with ``large``, ``encoder_large``)."""
     root = Path(path)
     names: list[str] = []
-    for example in EXAMPLE_MODELS:
+    for example in EXAMPLE_MODELS + (LARGE_MODELS if large else ()):
         model = example.build()
         config = CONFIG_HEADER + text_format.MessageToString(model_config(example, model))
         _write_if_changed(root / example.name / "1" / "model.onnx", model.SerializeToString())
@@ -334,6 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions.required = True
     build = actions.add_parser("build", help="write the example models (ONNX + config.pbtxt)")
     build.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR, help="repository root (default: %(default)s)")
+    build.add_argument("--large", action="store_true", help="also build encoder_large (~200 MB; hidden 1024, 4 layers)")
     listing = actions.add_parser("list", help="show the models of a repository and their signatures")
     listing.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR, help="repository root (default: %(default)s)")
 
@@ -341,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     directory: Path = args.directory
     if args.action == "build":
-        for name in build_repository(directory):
+        for name in build_repository(directory, large=args.large):
             print(f"built {directory / name}")
         return 0
     if not directory.is_dir():
