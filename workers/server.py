@@ -2,6 +2,9 @@
 backend, the model manager and the gRPC server, and owns their start and
 stop order.
 
+The gRPC server carries the KServe service, the health service and the
+collective service (``collective_service``: peer groups of split models).
+
 Start: bind the port -> load the models -> start serving -> health SERVING ->
 write the ready file (``{"grpc_port": N, "pid": N}``, atomically) -> log
 ``infergate worker serving on HOST:PORT (providers: ...)``.

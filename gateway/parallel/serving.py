@@ -11,15 +11,20 @@ start and on a repository load request:
    extension's load-with-override (``config`` JSON + ``file:1/model.onnx``),
    so Triton servers can host shards too; a shard already there with the
    same content digest is left alone, which makes a restart cheap;
-4. serves batches: ``infer`` decodes the batch, runs the plan
-   (``PlanExecutor``) with each shard call routed by the router among the
-   workers holding a copy of that shard, and encodes the answer.
+4. sets each copy up as a peer group on its workers (``groups``), so a batch
+   is one call per rank (tensor parallel) or one call to the first stage
+   (pipeline), the workers exchanging partial results between themselves;
+5. serves batches: on a ready peer group (``peer_run``), else through the
+   star -- ``PlanExecutor`` with each shard call routed by the router among
+   the workers holding a copy of that shard (``collectives: gateway`` always
+   does this).
 
 Shards are ordinary models on the workers (``<logical>.tp2.r0.s1``); the
 cluster lists them like any other.
 
-Failures: the router retries a shard call on another copy (another replica
-group). When a call finds no copy at all, the registry re-places the missing
+Failures: a batch that fails on a peer group by a server's fault reruns on
+another ready group, and the failed group is rebuilt. On the star, the
+router retries a shard call on another copy (another replica group). When a call finds no copy at all, the registry re-places the missing
 slots on live workers and reruns the whole batch, within its deadline: shard
 calls are stateless, so a rerun is safe. In the background the registry
 keeps placements whole: a slot whose worker went down is re-placed at once
