@@ -11,6 +11,7 @@ WORKERS ?= 2
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 PYTEST_ARGS ?=
+UP_ARGS ?=
 
 .PHONY: install models up test bench k8s-check browser clean
 
@@ -29,7 +30,7 @@ $(MODELS_STAMP): $(STAMP) models/build.py
 models: $(MODELS_STAMP)
 
 up: install
-	$(VENV)/bin/infergate up --workers $(WORKERS) --model-repository models --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
+	$(VENV)/bin/infergate up --workers $(WORKERS) --model-repository models --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(UP_ARGS)
 
 # Headless Chromium for the dashboard's browser test (Debian's package).
 browser:

@@ -13,6 +13,8 @@ command). Below, one package per concern:
 - ``fleet``: cluster view, membership, placement, drain, worker client;
 - ``security``: API keys, TLS, the frontends' access checks;
 - ``observability``: statistics, Prometheus metrics, cluster API, dashboard;
+- ``caching``: the response cache (Triton's ``response_cache``);
+- ``ensembles``: Triton ensembles, each step a request through the core;
 - ``parallel``: serving split models (plans come from ``splitter``).
 
 May import: ``protos``, ``serverkit``, ``splitter``; never ``workers``,

@@ -89,10 +89,14 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=None,
                         help="explicit (default): clients may load and unload models through the gateway; "
                              "none: such requests are refused (the gateway's own placement still loads)")
+    parser.add_argument("--cache-size", type=int, default=None, metavar="BYTES",
+                        help="response cache size in bytes (default 0, off); models with "
+                             "`response_cache { enable: true }` in their config.pbtxt are answered from it")
 
 
 def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode}
+    return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode,
+            "cache_size": args.cache_size}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

@@ -106,6 +106,9 @@ class GatewayConfig:
     # Triton's --model-control-mode: "explicit" lets clients load and unload
     # models through the gateway; "none" refuses them (placement still loads).
     model_control_mode: str = "explicit"
+    # The response cache's bound in bytes (0 = off): models whose config.pbtxt
+    # says `response_cache { enable: true }` are answered from it (gateway/caching/).
+    cache_size: int = 0
     # Reliability (gateway/routing/outlier.py, retry_budget.py, hedging.py, limits.py).
     # Outlier ejection: N consecutive failures or a latency outlier ejects a
     # worker for base * (its ejection count), at most max, and never more
@@ -353,6 +356,8 @@ def _validate(config: GatewayConfig) -> None:
                 "max_request_bytes"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
+    if config.cache_size < 0:
+        raise ConfigError(f"cache_size must be >= 0 bytes (0 turns the response cache off), got {config.cache_size}")
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")

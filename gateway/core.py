@@ -18,7 +18,10 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from gateway import __version__
 from gateway.batching.assembly import build_batch_request, split_batch_response
 from gateway.batching.batcher import Batcher, BatchPolicy
+from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled, fill_statistics
 from gateway.config import GatewayConfig
+from gateway.ensembles.plan import is_ensemble
+from gateway.ensembles.runner import Ensembles
 from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
@@ -92,6 +95,10 @@ class Gateway:
         self.fleet = Fleet(config, self.cluster)
         self.placement = self.fleet.placement
         self.stats = GatewayStats()
+        # Triton's response cache, for models whose config enables it (off at cache_size 0).
+        self.cache = ResponseCache(config.cache_size)
+        # Ensembles (platform "ensemble"): each step runs as a request of its own through _infer.
+        self.ensembles = Ensembles(self._infer)
         # End-to-end latency distribution per model, for /metrics and the dashboard.
         self.latency = LatencyHistograms()
         self._batchers: dict[tuple[str, str], Batcher] = {}
@@ -217,23 +224,49 @@ class Gateway:
         deadline = now + timeout_s
         request.deadline = deadline if request.deadline is None else min(deadline, request.deadline)
         request.rows = rows
-        self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
-        batcher = await self._batcher(request.model, version, info.config)
+        ensemble = is_ensemble(info.config)
+        if not ensemble:  # an ensemble is placed through its steps
+            self.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
+        miss: Lookup | None = None
+        if self.cache.enabled and cache_enabled(info.config):
+            # A hit is answered here: it never reaches a batcher, so batches hold only misses.
+            found = self.cache.lookup(request)
+            if isinstance(found, InferResponse):
+                total_s = time.monotonic() - started
+                self.stats.record_cache_hit(request.model, version, _ns(total_s))
+                self.latency.observe(request.model, version, total_s)
+                return found
+            miss = found
         try:
-            # However long its batch runs for others, a request is answered by its deadline:
-            # the batcher keeps each request's deadline on its one timer heap, queued or running.
-            response = await batcher.submit(request)
+            if ensemble:
+                # Each step is a request of its own through this path; the deadline set above covers them all.
+                response = await self.ensembles.run(self.ensembles.plan(info.config), request)
+                request.dispatched = started
+                self.stats.record_execution(request.model, version, rows, _ns(time.monotonic() - started))
+            else:
+                batcher = await self._batcher(request.model, version, info.config)
+                # However long its batch runs for others, a request is answered by its deadline:
+                # the batcher keeps each request's deadline on its one timer heap, queued or running.
+                response = await batcher.submit(request)
         except InferGateError as e:
+            self._cache_failed(miss)
             self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
             raise
         except asyncio.CancelledError:
+            self._cache_failed(miss)
             self.stats.record_failure(request.model, version, _ns(time.monotonic() - started), "Cancelled")
             raise
+        if miss is not None:
+            self.cache.insert(miss, response)
         queue_ns = _ns(max(0.0, request.dispatched - started))
         total_s = time.monotonic() - started
         self.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)
         self.latency.observe(request.model, version, total_s)
         return response
+
+    def _cache_failed(self, miss: Lookup | None) -> None:
+        if miss is not None:
+            self.cache.record_miss(miss)
 
     async def _run_batch(
         self, name: str, version: str, batch: list[InferRequest], batched: bool, *, wait_for_slot: bool = True
@@ -294,9 +327,26 @@ class Gateway:
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
-            self._model(name, version)
+            info, _ = self._model(name, version)
         except ModelNotFound:
             return False
+        return not is_ensemble(info.config) or self._steps_ready(info.config)
+
+    def _steps_ready(self, config: model_config_pb2.ModelConfig, depth: int = 0) -> bool:
+        """An ensemble is ready when every step is (nested ensembles included, to a sane depth)."""
+        if depth > 8:
+            return False
+        try:
+            plan = self.ensembles.plan(config)
+        except InvalidArgument:
+            return False
+        for model, version in plan.step_models():
+            try:
+                info, _ = self._model(model, version)
+            except (ModelNotFound, Unavailable):
+                return False
+            if is_ensemble(info.config) and not self._steps_ready(info.config, depth + 1):
+                return False
         return True
 
     def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
@@ -316,7 +366,9 @@ class Gateway:
             version = resolved
         known = [(m, max(info.versions, key=_version_key)) for m, info in self.cluster.models().items() if info.versions]
         known += [(e.name, e.version) for e in self.parallel.index_entries() if self.parallel.model(e.name)]
-        return self.stats.to_proto(name, version, known)
+        response = self.stats.to_proto(name, version, known)
+        fill_statistics(response, self.cache.counters())
+        return response
 
     async def worker_statistics(self, name: str = "", version: str = "") -> list[repository.WorkerStatistics]:
         """Each worker's own statistics of ``name`` (all models when empty): Triton's, or our worker's."""
@@ -343,6 +395,7 @@ class Gateway:
             await self.parallel.load(name)  # re-split the source and push what changed
             return
         self.fleet.placement.note_load(name)
+        self.cache.clear(name)  # a reload may answer differently
         await repository.load(self.cluster, name, parameters)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
@@ -352,6 +405,7 @@ class Gateway:
         else:
             self.fleet.placement.note_unload(name)
             await repository.unload(self.cluster, name, unload_dependents)
+        self.cache.clear(name)
         for key in [k for k in self._batchers if k[0] == name]:
             batcher = self._batchers.pop(key)
             await batcher.close(self.config.shutdown_grace_s)

@@ -3,6 +3,11 @@ override), reloading, unloading, lookups for requests, the repository index
 and statistics.
 
 Rules, as in Triton:
+- An ensemble (``platform: "ensemble"``) is run by the gateway, not here: its
+  versions hold the config and no instance, so the index, ModelConfig and
+  ModelMetadata report it and ModelInfer refuses it (UNIMPLEMENTED).
+- A new version runs its ``model_warmup`` samples (``workers.warmup``) on
+  every instance before it is installed: READY means warmed up.
 - A reload builds the new versions first and swaps them in at once; the old
   versions finish their in-flight requests and are then closed. A failed
   reload leaves the old versions serving.
@@ -36,6 +41,7 @@ from tritonclient.grpc import service_pb2
 from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
 from workers.backends.base import Backend, ModelInstance, Placement
 from workers.model import LoadedModel
+from workers.warmup import WarmupSample, run_warmup, warmup_samples
 from workers.repository import (
     ModelRepository,
     available_versions,
@@ -49,6 +55,8 @@ from workers.repository import (
 )
 
 logger = logging.getLogger(__name__)
+
+ENSEMBLE_PLATFORM = "ensemble"
 
 
 class ModelState(enum.Enum):
@@ -86,6 +94,12 @@ class _Built:
     placements: list[Placement]
     instances: dict[int, list[ModelInstance]]
     missing: dict[int, str]
+    warmup: list[WarmupSample]
+
+    def close(self) -> None:
+        for instances in self.instances.values():
+            for instance in instances:
+                instance.close()
 
 
 class ModelManager:
@@ -237,6 +251,12 @@ class ModelManager:
                 if not entry.versions:
                     entry.state, entry.reason = ModelState.LOADING, ""
                 built = await asyncio.to_thread(self._build, name, model_dir, config_json)
+                try:
+                    # Triton's model_warmup: the version is installed (and READY) only after it.
+                    await run_warmup(built.config, built.warmup, built.instances)
+                except BaseException:
+                    built.close()
+                    raise
             except BaseException as exc:
                 if staged is not None:
                     await asyncio.to_thread(shutil.rmtree, staged, True)
@@ -274,8 +294,15 @@ class ModelManager:
         missing = missing_versions(config, available)
         for number, reason in missing.items():
             logger.warning("model %s: %s", name, reason)
+        if config.platform == ENSEMBLE_PLATFORM:
+            # The gateway runs ensembles (each step a routed call): the worker only
+            # keeps the config, so that the gateway reads it like any model's.
+            if not config.input or not config.output:
+                raise InvalidArgument(f"ensemble '{name}' must declare its inputs and outputs")
+            return _Built(config, [], {number: [] for number in numbers}, missing, [])
         config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
         placements = resolve_instance_groups(config, self.backend.gpu_count())
+        samples = warmup_samples(config, model_dir)  # before any instance: a bad sample costs no session
         created: dict[int, list[ModelInstance]] = {}
         try:
             for number in numbers:
@@ -287,7 +314,7 @@ class ModelManager:
                 for instance in instances:
                     instance.close()
             raise
-        return _Built(config, placements, created, missing)
+        return _Built(config, placements, created, missing, samples)
 
     async def _unload(self, name: str) -> None:
         async with self._locked(name, create=False) as entry:

@@ -22,7 +22,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
-from protos.errors import Internal, Overloaded
+from protos.errors import Internal, Overloaded, Unsupported
 from workers.backends.base import ModelInstance
 from workers.stats import ExecutionTiming, ModelStats
 from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
@@ -48,6 +48,8 @@ class LoadedModel:
         self.signature = ModelSignature.from_config(config)
         self.stats = ModelStats()
         self._instances = list(instances)
+        # An ensemble's version holds only its config: the gateway runs its steps.
+        self.gateway_only = config.platform == "ensemble"
         # Idle instances. An instance is in here or held by exactly one request.
         self._free: asyncio.Queue[ModelInstance] = asyncio.Queue()
         for instance in self._instances:
@@ -64,6 +66,8 @@ class LoadedModel:
 
     async def infer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
         """Run one request; raises InferGateError subclasses for anything the client got wrong."""
+        if self.gateway_only:
+            raise Unsupported(f"ensemble '{self.name}' is run by the gateway: send its requests to an infergate gateway")
         clock = time.perf_counter_ns
         start = clock()
         self._inflight += 1

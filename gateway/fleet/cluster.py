@@ -333,6 +333,8 @@ class Cluster:
         client, timeout_s = worker.client, self._probe_timeout_s
         await check_health(client, worker.kind, timeout_s)
         index = await ready_index(worker, timeout_s, self._lookup_names)
+        if not worker.is_up:
+            await client.data_lane_ready(timeout_s)
         if not force and worker.is_up and index == worker.index:
             return index, None
         names = sorted({name for name, _ in index})

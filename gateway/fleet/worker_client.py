@@ -198,6 +198,22 @@ class WorkerClient:
 
     # ---- inference --------------------------------------------------------
 
+    async def data_lane_ready(self, timeout_s: float) -> None:
+        """Wait until the inference connection is up (a worker back from DOWN gets traffic only then).
+
+        The probes ride the control connection; without this a restarted worker
+        would be READY while the data connection still waits out its reconnect
+        backoff, and the first batches sent to it would fail.
+        """
+        self._service(_DATA)
+        channel = self._channels[_DATA]
+        if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnreachable(f"worker {self.address}: inference connection not ready") from None
+
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:

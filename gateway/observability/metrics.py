@@ -78,6 +78,7 @@ class GatewayCollector(Collector):
         yield from self._workers()
         yield from self._cluster()
         yield from self._parallel()
+        yield from self._cache()
 
     def _models(self) -> Iterator[Metric]:
         labels = ["model", "version"]
@@ -211,6 +212,32 @@ class GatewayCollector(Collector):
             batches.add_metric([name], s.batches)
             groups.add_metric([name], s.groups_ready)
         yield from (calls, peer, batches, groups)
+
+    def _cache(self) -> Iterator[Metric]:
+        """Triton's response-cache families per model, and the cache's own size."""
+        labels = ["model", "version"]
+        hits = TritonCounter("nv_cache_num_hits_per_model", "Number of response cache hits per model", labels)
+        misses = TritonCounter("nv_cache_num_misses_per_model", "Number of response cache misses per model", labels)
+        hit_us = TritonCounter("nv_cache_hit_duration_per_model",
+                               "Cumulative time of response cache lookups that hit, in microseconds", labels)
+        miss_us = TritonCounter("nv_cache_miss_duration_per_model",
+                                "Cumulative time of response cache lookups and insertions that missed, in microseconds",
+                                labels)
+        cache = getattr(self._gw, "cache", None)
+        if cache is None:
+            return
+        for (model, version), c in sorted(cache.counters().items()):
+            key = [model, version]
+            hits.add_metric(key, c.hits)
+            misses.add_metric(key, c.misses)
+            hit_us.add_metric(key, c.hit_ns // 1000)
+            miss_us.add_metric(key, c.miss_ns // 1000)
+        yield from (hits, misses, hit_us, miss_us)
+        yield GaugeMetricFamily("infergate_cache_capacity_bytes", "Response cache bound (cache_size)", value=cache.capacity_bytes)
+        yield GaugeMetricFamily("infergate_cache_used_bytes", "Bytes the response cache holds", value=cache.used_bytes)
+        yield GaugeMetricFamily("infergate_cache_entries", "Responses the response cache holds", value=len(cache))
+        yield CounterMetricFamily("infergate_cache_evictions", "Responses evicted to stay within cache_size",
+                                  value=cache.evictions)
 
 
 def add_metrics_routes(app: web.Application, gateway: Gateway) -> None:

@@ -59,6 +59,12 @@ class GatewayStats:
         c.queue.add(queue_ns)
         c.last_inference_ms = int(time.time() * 1000)
 
+    def record_cache_hit(self, name: str, version: str, total_ns: int) -> None:
+        """A request answered from the response cache: a success, but no inference (Triton's counts)."""
+        c = self.model(name, version)
+        c.success.add(total_ns)
+        c.last_inference_ms = int(time.time() * 1000)
+
     def record_failure(self, name: str, version: str, total_ns: int, reason: str) -> None:
         c = self.model(name, version)
         c.fail.add(total_ns)

@@ -35,6 +35,7 @@ import pytest
 from aiohttp import web
 
 from gateway.observability.dashboard import add_dashboard_routes
+from models.build import example_names
 from tests.harness import Proc, start
 
 pytestmark = pytest.mark.timeout(180)
@@ -284,7 +285,7 @@ async def test_dashboard_shows_the_cluster_and_its_load(cluster: Proc) -> None:
         workers = await browser.evaluate(page, "[...document.querySelectorAll('#workers tbody tr')].map(r => r.dataset.key)")
         assert sorted(workers) == addresses
         models = await browser.evaluate(page, "[...document.querySelectorAll('#models tbody tr')].map(r => r.dataset.key)")
-        assert models == ["cnn", "encoder", "identity_string", "mlp", "simple", "string_to_int"]  # sorted by name
+        assert models == sorted(example_names())  # sorted by name
         for address in addresses:
             assert await browser.evaluate(page, cell("workers", address, "State")) == "ready"
         assert await browser.evaluate(page, cell("models", "simple", "Replicas")) == "2"

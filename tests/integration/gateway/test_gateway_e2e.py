@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as httpclient_aio
 from tritonclient.utils import InferenceServerException
 
-from models.build import EXAMPLE_MODELS
+from models.build import example_names
 from tests.harness import Proc
 from tests.integration.gateway.e2e_cluster import (
     MAX_BATCH,
@@ -182,7 +182,7 @@ def test_statistics_and_repository_index_through_both(cluster: Proc) -> None:
 
         gindex = [(m.name, m.version, m.state) for m in grpc_.get_model_repository_index().models]
         hindex = [(m["name"], m.get("version", ""), m.get("state", "")) for m in http.get_model_repository_index()]
-        assert sorted(gindex) == sorted(hindex) == sorted((m.name, "1", "READY") for m in EXAMPLE_MODELS)
+        assert sorted(gindex) == sorted(hindex) == sorted((name, "1", "READY") for name in example_names())
     finally:
         http.close()
         grpc_.close()

@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from models.build import EXAMPLE_MODELS
+from models.build import example_names
 from tests.harness import Proc, start
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,7 +143,7 @@ def test_gateway_metrics_follow_requests_and_match_statistics(cluster: Proc) -> 
         assert value(after, "infergate_worker_state", worker=address, state="READY") == 1
         assert value(after, "infergate_worker_state", worker=address, state="DOWN") == 0
         assert value(after, "infergate_worker_inflight_batches", worker=address) == 0
-        assert value(after, "infergate_worker_models", worker=address) == len(EXAMPLE_MODELS)
+        assert value(after, "infergate_worker_models", worker=address) == len(example_names())
     sent = total(after, "infergate_worker_batches_total") - total(before, "infergate_worker_batches_total")
     assert sent == execs  # no retries: each batch went to one worker once
     assert total(after, "infergate_worker_retries_total") == 0
@@ -183,7 +183,7 @@ def test_worker_metrics_add_up_to_the_gateway_batches(cluster: Proc) -> None:
             assert (name, frozenset(m.items())) in a
         assert value(a, "nv_inference_pending_request_count", **m) == 0
         assert value(a, "nv_inference_request_failure_total", **m, reason="OTHER") == 0
-        assert value(a, "infergate_worker_models_loaded") == len(EXAMPLE_MODELS)
+        assert value(a, "infergate_worker_models_loaded") == len(example_names())
         assert value(a, "nv_cpu_memory_total_bytes") >= value(a, "nv_cpu_memory_used_bytes") > 0
         gpus = [k for k in a if k[0].startswith("nv_gpu_memory_total_bytes")]
         for key in gpus:
@@ -197,7 +197,7 @@ def test_cluster_api(cluster: Proc) -> None:
     view = json.loads(body)
     addresses = sorted(w["address"] for w in cluster.ready["workers"])
     assert sorted(w["address"] for w in view["workers"]) == addresses
-    every = sorted(m.name for m in EXAMPLE_MODELS)
+    every = sorted(example_names())
     for w in view["workers"]:
         assert w["state"] == "ready"
         assert w["models"] == every

@@ -434,7 +434,8 @@ def test_explicit_mode_loads_only_named_models_and_stops_promptly(model_repo: Pa
         with grpcclient.InferenceServerClient(worker_url(proc)) as client:
             rows = {m["name"]: m.get("state", "") for m in client.get_model_repository_index(as_json=True)["models"]}
             assert rows == {
-                "simple": "READY", "mlp": "", "cnn": "", "encoder": "", "identity_string": "", "string_to_int": ""
+                "simple": "READY", "mlp": "", "cnn": "", "encoder": "", "identity_string": "", "string_to_int": "",
+                "preprocess": "", "postprocess": "", "classify": "",
             }
             good_simple(client)
             with pytest.raises(InferenceServerException) as info:

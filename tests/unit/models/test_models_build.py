@@ -16,7 +16,10 @@ from models.build import D_MODEL, MAX_SEQ_LEN, VOCAB_SIZE, build_repository
 
 NUMERIC_NAMES = ["simple", "mlp", "cnn", "encoder"]
 STRING_NAMES = ["identity_string", "string_to_int"]
-EXPECTED_NAMES = NUMERIC_NAMES + STRING_NAMES
+CLASSIFY_STEPS = ["preprocess", "postprocess"]
+ONNX_NAMES = NUMERIC_NAMES + STRING_NAMES + CLASSIFY_STEPS
+ENSEMBLE_NAMES = ["classify"]  # config only; see test_classify_models.py
+EXPECTED_NAMES = ONNX_NAMES + ENSEMBLE_NAMES
 
 # name -> (max_batch_size, dynamic_batching, inputs, outputs); tensors as (name, type, dims).
 EXPECTED_CONFIGS: dict[str, tuple[int, bool, list[tuple[str, int, list[int]]], list[tuple[str, int, list[int]]]]] = {
@@ -31,6 +34,9 @@ EXPECTED_CONFIGS: dict[str, tuple[int, bool, list[tuple[str, int, list[int]]], l
     "encoder": (16, True, [("TOKENS", mc.TYPE_INT64, [-1])], [("HIDDEN", mc.TYPE_FP32, [-1, D_MODEL])]),
     "identity_string": (0, False, [("INPUT0", mc.TYPE_STRING, [-1])], [("OUTPUT0", mc.TYPE_STRING, [-1])]),
     "string_to_int": (8, True, [("INPUT0", mc.TYPE_STRING, [1])], [("OUTPUT0", mc.TYPE_INT64, [1])]),
+    "preprocess": (32, True, [("IMAGE", mc.TYPE_UINT8, [32, 32, 3])], [("PIXELS", mc.TYPE_FP32, [3, 32, 32])]),
+    "postprocess": (32, True, [("PROBS", mc.TYPE_FP32, [10])],
+                    [("SCORES", mc.TYPE_FP32, [3]), ("CLASSES", mc.TYPE_INT64, [3])]),
 }
 
 NUMPY_DTYPES = {mc.TYPE_INT32: np.int32, mc.TYPE_INT64: np.int64, mc.TYPE_FP32: np.float32}
@@ -73,7 +79,7 @@ def test_build_is_deterministic(repo: Path, tmp_path: Path) -> None:
     first = sorted(p.relative_to(repo) for p in repo.rglob("*") if p.is_file())
     second = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert first == second
-    assert len(first) == 2 * len(EXPECTED_NAMES)
+    assert len(first) == 2 * len(ONNX_NAMES) + len(ENSEMBLE_NAMES)
     for rel in first:
         assert (repo / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
 
@@ -87,7 +93,7 @@ def test_rebuild_in_place_keeps_files(repo: Path, tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-@pytest.mark.parametrize("name", EXPECTED_NAMES)
+@pytest.mark.parametrize("name", ONNX_NAMES)
 def test_config_fields(repo: Path, name: str) -> None:
     config = _config(repo, name)
     max_batch_size, dynamic, inputs, outputs = EXPECTED_CONFIGS[name]

@@ -44,6 +44,9 @@ class FakeWorker:
         if not self.reachable:
             raise WorkerUnreachable(f"worker {self.address} unreachable: connection refused")
 
+    async def data_lane_ready(self, timeout_s: float) -> None:
+        """Fakes are connected whenever they answer."""
+
     async def server_ready(self, timeout_s: float | None = None) -> bool:
         if self.hang:
             await asyncio.Event().wait()

@@ -185,6 +185,9 @@ class FakeWorker:
         self.calls: list[tuple[str, str]] = []
         self.refuse: dict[str, Exception] = {}
 
+    async def data_lane_ready(self, timeout_s: float) -> None:
+        """Fakes are connected whenever they answer."""
+
     async def server_ready(self, timeout_s: float | None = None) -> bool:
         return True
 
