@@ -25,7 +25,7 @@ MODEL_CONTROL_MODES = ("none", "explicit")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
-                 "input_shapes", "input_values")
+                 "input_shapes", "input_values", "collectives")
 # Keys of a `models.<name>` entry for placement and lifecycle (gateway/fleet/placement.py):
 # replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
 PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")

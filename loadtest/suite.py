@@ -23,6 +23,7 @@ reported as such and the others still run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 from loadtest.suite_context import SuiteContext, SuiteSettings, describe_machine
 from loadtest.suite_machine import run_ceiling, run_compute
-from loadtest.suite_parallel import run_parallel
+from loadtest.suite_parallel import run_parallel, run_parallel_large
 from loadtest.suite_report import SectionResult, format_markdown, write_results
 from loadtest.suite_scale import run_scale, run_sim_check
 from loadtest.suite_sections import run_batching, run_overhead
@@ -57,6 +58,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "parallel": run_parallel,
     "compute": run_compute,
     "ceiling": run_ceiling,
+    "parallel_large": run_parallel_large,
 }
 
 
@@ -73,6 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.suite", description="Run the infergate benchmark suite.")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="directory for results.json and results.md")
     parser.add_argument("--model-repository", type=Path, default=Path("models"), help="the built example repository")
+    parser.add_argument("--large-repository", type=Path, default=None,
+                        help="a repository holding encoder_large (`infergate models build DIR --large`); "
+                             "without it the parallel_large section is skipped")
     parser.add_argument("--only", default="", metavar="A,B", help="run only these sections (see --list)")
     parser.add_argument("--quick", action="store_true", help="short windows and few levels: checks the pipeline, not numbers")
     parser.add_argument("--list", action="store_true", help="print the section names and exit")
@@ -147,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     settings = SuiteSettings.for_run(args.model_repository.resolve(), args.quick)
+    if args.large_repository is not None:
+        settings = dataclasses.replace(settings, large_repository=args.large_repository.resolve())
     with tempfile.TemporaryDirectory(prefix="infergate-suite-") as workdir:
         results = run_suite(settings, sections, Path(workdir))
     json_path, md_path = write_results(results, args.out)

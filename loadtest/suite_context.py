@@ -42,6 +42,7 @@ class SuiteSettings:
     latency_window_ms: int = 1000
     latency_rounds: int = 3
     scale_workers: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    large_repository: Path | None = None  # holds encoder_large (the parallel_large section)
 
     @classmethod
     def for_run(cls, model_repository: Path, quick: bool) -> SuiteSettings:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = ("protos/cluster.proto",)
+PROTOS = ("protos/cluster.proto", "protos/collective.proto")
 
 
 def main() -> int:

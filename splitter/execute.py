@@ -22,7 +22,8 @@ import onnx
 import onnxruntime as ort
 
 from protos.errors import InferGateError
-from splitter.plan import Boundary, Collective, Plan, Shard, gather_pieces
+from protos.collective_tensors import combine
+from splitter.plan import Boundary, Collective, Plan, Shard
 from splitter.probe import cpu_session
 
 log = logging.getLogger(__name__)
@@ -135,14 +136,7 @@ def _join(boundary: Boundary, local: list[dict[str, np.ndarray]], shared: dict[s
                 local[rank].pop(name, None)
         return
     parts = [local[rank].pop(name) for rank in range(len(local))]
-    if boundary.collective is Collective.ALLREDUCE_SUM:
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        shared[name] = total
-    else:
-        assert boundary.axis is not None
-        shared[name] = gather_pieces(parts, boundary.axis, boundary.pieces)
+    shared[name] = combine(boundary.collective.value, parts, boundary.axis, boundary.pieces)
 
 
 class LocalShards:

@@ -33,8 +33,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import orjson
+
+from protos.collective_tensors import gather_pieces  # noqa: F401 - re-exported: part of the plan format
 
 PLAN_FORMAT = 1
 
@@ -46,7 +47,6 @@ class Collective(str, enum.Enum):
     ALLREDUCE_SUM = "allreduce_sum"
     ALLGATHER = "allgather"
 
-
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A shard or model input/output; ``shape`` uses -1 for dynamic dims."""
@@ -54,7 +54,6 @@ class TensorSpec:
     name: str
     datatype: str  # KServe datatype: "FP32", "INT64", ...
     shape: tuple[int, ...]
-
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -68,7 +67,6 @@ class Shard:
     weight_bytes: int
     path: str  # model file, relative to the plan's directory
 
-
 @dataclass(frozen=True, slots=True)
 class Boundary:
     """A tensor crossing the cut after a segment and how ranks' copies join."""
@@ -81,13 +79,11 @@ class Boundary:
     pieces: tuple[int, ...] = ()
     per_rank: bool = False  # collective none only
 
-
 @dataclass(frozen=True, slots=True)
 class Segment:
     index: int
     shards: tuple[Shard, ...]  # in rank order
     boundaries: tuple[Boundary, ...]
-
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
@@ -96,7 +92,6 @@ class Fallback:
     node: str
     op_type: str
     reason: str
-
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -211,46 +206,17 @@ class Plan:
     def from_json(cls, text: str | bytes) -> Plan:
         return cls.from_dict(orjson.loads(text))
 
-
 def shard_name(model: str, kind: PlanKind, degree: int, rank: int, segment: int) -> str:
     """``<model>.tp2.r0.s1`` (tensor parallel) or ``<model>.pp3.s1`` (pipeline)."""
     if kind == "tensor":
         return f"{model}.tp{degree}.r{rank}.s{segment}"
     return f"{model}.pp{degree}.s{segment}"
 
-
-def gather_pieces(parts: list[np.ndarray], axis: int, pieces: tuple[int, ...]) -> np.ndarray:
-    """Inverse of the fused-piece layout: rank r holds, for every period of
-    ``sum(pieces)`` along ``axis``, block r of each piece in turn."""
-    if not pieces:
-        return np.concatenate(parts, axis=axis)
-    n = len(parts)
-    period = sum(pieces)
-    local_period = period // n
-    full_len = parts[0].shape[axis] * n
-    repeats = full_len // period
-    views = []
-    for part in parts:
-        shape = part.shape[:axis] + (repeats, local_period) + part.shape[axis + 1 :]
-        views.append(part.reshape(shape))
-    out = []
-    start = 0
-    for size in pieces:
-        local = size // n
-        blocks = [np.take(v, np.arange(start, start + local), axis=axis + 1) for v in views]
-        out.append(np.concatenate(blocks, axis=axis + 1))
-        start += local
-    joined = np.concatenate(out, axis=axis + 1)
-    return joined.reshape(parts[0].shape[:axis] + (full_len,) + parts[0].shape[axis + 1 :])
-
-
 def _spec_to_dict(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
 
-
 def _spec_from_dict(data: dict[str, Any]) -> TensorSpec:
     return TensorSpec(name=data["name"], datatype=data["datatype"], shape=tuple(int(d) for d in data["shape"]))
-
 
 def _boundary_to_dict(b: Boundary) -> dict[str, Any]:
     out: dict[str, Any] = {"name": b.name, "collective": b.collective.value}
@@ -261,7 +227,6 @@ def _boundary_to_dict(b: Boundary) -> dict[str, Any]:
     if b.per_rank:
         out["per_rank"] = True
     return out
-
 
 def _boundary_from_dict(data: dict[str, Any]) -> Boundary:
     axis = data.get("axis")

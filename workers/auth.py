@@ -114,22 +114,34 @@ class WorkerSecurity:
     token_digest: bytes | None = field(default=None, repr=False)
     credentials: grpc.ServerCredentials | None = None
     mutual_tls: bool = False
+    # How this worker calls its peers (collective groups): the token it
+    # requires, which the cluster shares, and its certificate as a client's.
+    peer_token: str | None = field(default=None, repr=False)
+    peer_credentials: grpc.ChannelCredentials | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "WorkerSecurity":
         token_file = getattr(args, "auth_token_file", None)
         digest = _token_digest(token_file) if token_file is not None else None
+        token = _read(token_file, "token file").strip().decode() if token_file is not None else None
         cert, key, client_ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
         if (cert is None) != (key is None):
             raise WorkerAuthError("--tls-cert and --tls-key go together")
         if cert is None:
             if client_ca is not None:
                 raise WorkerAuthError("--tls-client-ca needs --tls-cert and --tls-key")
-            return cls(digest)
+            return cls(digest, peer_token=token)
         pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
         root = _read(client_ca, "client CA certificate") if client_ca is not None else None
         credentials = grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
-        return cls(digest, credentials, root is not None)
+        # Peers' certificates are trusted through the client CA (one CA signs
+        # the cluster's workers), else through this worker's own certificate.
+        peer = grpc.ssl_channel_credentials(root_certificates=root or pair[1], private_key=pair[0],
+                                            certificate_chain=pair[1])
+        return cls(digest, credentials, root is not None, token, peer)
+
+    def peer_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [TokenInterceptor(self.token_digest)] if self.token_digest is not None else []

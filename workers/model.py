@@ -146,6 +146,41 @@ class LoadedModel:
             book.finish(sequence, flags, outputs)
         return ready, decoded, outputs, ran
 
+    async def run_arrays(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        """Run on arrays a peer group already holds (no wire decode or encode), timed into the statistics.
+
+        The caller (a collective group) names tensors from its own plan, so
+        no request check runs; a shape the model refuses still fails as the
+        backend reports it.
+        """
+        clock = time.perf_counter_ns
+        start = clock()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            instance = await self._acquire()
+            try:
+                ready = clock()
+                outputs = await instance.infer(inputs, output_names)
+                ran = clock()
+            finally:
+                self._release(instance)
+            missing = [name for name in output_names if name not in outputs]
+            if missing:
+                raise Internal(f"model '{self.name}' did not produce {missing}")
+            batch = next((int(a.shape[0]) for a in inputs.values() if a.ndim > 0), 1) if self.config.max_batch_size > 0 else 1
+            self.stats.record_success(ExecutionTiming(batch_size=batch, queue_ns=ready - start, compute_input_ns=0,
+                                                      compute_infer_ns=ran - ready, compute_output_ns=0,
+                                                      total_ns=ran - start))
+            return outputs
+        except Exception:
+            self.stats.record_failure(clock() - start)
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
     async def _acquire(self) -> ModelInstance:
         # Take the fast path only when nobody waits: a waiter woken by _release
         # has not yet taken its instance, and must not be overtaken.

@@ -2,6 +2,9 @@
 backend, the model manager and the gRPC server, and owns their start and
 stop order.
 
+The gRPC server carries the KServe service, the health service and the
+collective service (``collective_service``: peer groups of split models).
+
 Start: bind the port -> load the models -> start serving -> health SERVING ->
 write the ready file (``{"grpc_port": N, "pid": N}``, atomically) -> log
 ``infergate worker serving on HOST:PORT (providers: ...)``.
@@ -42,8 +45,12 @@ from serverkit import process
 from serverkit.grpc_server import BURST_OPTIONS
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
+from protos.collective_pb2_grpc import add_CollectiveServicer_to_server
 from workers.backends.base import BackendOptions, backend_names, create_backend
+from workers.collective_service import CollectiveService
+from workers.groups import Groups
 from workers.manager import ModelManager
+from workers.peers import Mailbox, PeerAccess, PeerLinks
 from workers.metrics import DeviceCollector, MetricsServer, WorkerModelCollector
 from workers.registration import Registration, start_registration
 from workers.registration import add_arguments as add_registration_arguments
@@ -154,6 +161,9 @@ async def serve(args: argparse.Namespace) -> int:
         repository, backend, staging_root=staging, max_queue_size=args.max_queue_size, drain_timeout_s=args.grace_period
     )
     service = InferenceService(manager)
+    mailbox = Mailbox()
+    peers = PeerLinks(PeerAccess(security.peer_credentials, security.peer_metadata()))
+    collective = CollectiveService(Groups(manager, peers, mailbox), mailbox, service)
     devices = DeviceCollector()
     metrics = MetricsServer([WorkerModelCollector(manager), devices])
     health_service = health.aio.HealthServicer()
@@ -169,6 +179,7 @@ async def serve(args: argparse.Namespace) -> int:
         ]
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    add_CollectiveServicer_to_server(collective, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
 
     loop = asyncio.get_running_loop()
@@ -225,6 +236,7 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         if registration is not None:
             await registration.stop()
+        await peers.close()
         await metrics.stop()
         devices.close()
         await manager.close()

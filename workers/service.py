@@ -47,7 +47,7 @@ def _package_version() -> str:
         return "0.0.0"
 
 
-def _as_error(exc: Exception, what: str) -> InferGateError:
+def as_error(exc: Exception, what: str) -> InferGateError:
     if isinstance(exc, InferGateError):
         return exc
     logger.exception("unexpected error in %s", what)
@@ -60,13 +60,13 @@ def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
 
     @functools.wraps(handler)
     async def wrapper(self: InferenceService, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
-        self._enter()
+        self.begin_request()
         try:
             return await handler(self, request, context)
         except Exception as exc:
-            error = _as_error(exc, handler.__name__)
+            error = as_error(exc, handler.__name__)
         finally:
-            self._exit()
+            self.end_request()
         # A refusal (the model's queue is full) carries its retry hint, as the gateway's do.
         await context.abort(error.grpc_code, error.message, trailing_metadata=retry_metadata(error))
         raise AssertionError("unreachable: abort raises")
@@ -86,12 +86,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # --- in-progress accounting (event loop thread only) -------------------------
 
-    def _enter(self) -> None:
+    def begin_request(self) -> None:
         self._active += 1
         self._started += 1
         self._idle.clear()
 
-    def _exit(self) -> None:
+    def end_request(self) -> None:
         self._active -= 1
         if self._active == 0:
             self._idle.set()
@@ -181,14 +181,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         def done(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
             slots.release()
-            self._exit()
+            self.end_request()
 
         async def serve(request: service_pb2.ModelInferRequest) -> None:
             try:
                 result = await self.manager.get(request.model_name, request.model_version).infer(request)
                 response = service_pb2.ModelStreamInferResponse(infer_response=result)
             except Exception as exc:
-                error = _as_error(exc, "ModelStreamInfer")
+                error = as_error(exc, "ModelStreamInfer")
                 response = service_pb2.ModelStreamInferResponse(
                     error_message=error.message,
                     infer_response=service_pb2.ModelInferResponse(
@@ -201,7 +201,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             async for request in request_iterator:
                 await slots.acquire()
-                self._enter()
+                self.begin_request()
                 task = asyncio.get_running_loop().create_task(serve(request))
                 tasks.add(task)
                 # A done-callback, not a finally in serve(): it runs even for a

@@ -28,6 +28,8 @@ from typing import TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from protos import collective_pb2
+from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,7 @@ class WorkerClient:
         # created on, and clients may be built before the gateway's loop runs.
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
+        self._collective: CollectiveStub | None = None
         self._closed = False
 
     def _service(self, lane: str = _DATA) -> service_pb2_grpc.GRPCInferenceServiceStub:
@@ -225,6 +228,25 @@ class WorkerClient:
     ) -> service_pb2.ModelInferResponse:
         return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
 
+    # ---- collective groups (infergate workers only) ---------------------------
+
+    def _collective_stub(self) -> CollectiveStub:
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._collective is None:
+            self._collective = CollectiveStub(self._channels[_DATA])
+        return self._collective
+
+    async def setup_group(self, request: collective_pb2.SetupGroupRequest, timeout_s: float | None = None) -> None:
+        await self._call(self._collective_stub().SetupGroup, request, timeout_s, _DATA)
+
+    async def teardown_group(self, request: collective_pb2.TeardownGroupRequest, timeout_s: float | None = None) -> bool:
+        response = await self._call(self._collective_stub().TeardownGroup, request, timeout_s, _DATA)
+        return response.known
+
+    async def run_group(self, request: collective_pb2.RunRequest, timeout_s: float | None = None) -> collective_pb2.RunResponse:
+        """One rank's share of one batch (rank 0, or a pipeline's first stage, answers with the outputs)."""
+        return await self._call(self._collective_stub().Run, request, timeout_s, _DATA)
+
     # ---- health and metadata ------------------------------------------------
 
     async def server_live(self, timeout_s: float | None = None) -> bool:
@@ -301,4 +323,5 @@ class WorkerClient:
             return
         self._closed = True
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        self._collective = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))

@@ -77,6 +77,7 @@ class GatewayCollector(Collector):
         yield from self._queues()
         yield from self._workers()
         yield from self._cluster()
+        yield from self._parallel()
         yield from self._cache()
 
     def _models(self) -> Iterator[Metric]:
@@ -192,6 +193,25 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(
             "infergate_placement_moves", "Models moved between workers by placement", value=getattr(placement, "moves", 0)
         )
+
+    def _parallel(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily(
+            "infergate_parallel_worker_calls",
+            "Gateway to worker calls made for split models (per request: the ranks called, or shard calls on the star path)",
+            labels=["model"])
+        peer = CounterMetricFamily(
+            "infergate_parallel_peer_bytes", "Tensor bytes split models moved between workers (peer collectives, stage hand-offs)",
+            labels=["model"])
+        batches = CounterMetricFamily("infergate_parallel_batches", "Batches split models ran", labels=["model"])
+        groups = GaugeMetricFamily("infergate_parallel_groups_ready",
+                                   "Copies of a split model set up as peer groups and serving", labels=["model"])
+        parallel = getattr(self._gw, "parallel", None)
+        for name, s in sorted((parallel.stats() if parallel is not None else {}).items()):
+            calls.add_metric([name], s.shard_calls)
+            peer.add_metric([name], s.peer_bytes)
+            batches.add_metric([name], s.batches)
+            groups.add_metric([name], s.groups_ready)
+        yield from (calls, peer, batches, groups)
 
     def _cache(self) -> Iterator[Metric]:
         """Triton's response-cache families per model, and the cache's own size."""

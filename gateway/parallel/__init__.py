@@ -2,8 +2,10 @@
 
 Owns the logical models of the gateway config (``logical``), where each
 copy's shards run (``placement``, ``shard_placement``), the per-model serving
-state (``served``), the calls that run shards on workers (``remote``) and the
-registry that ties them together (``serving``).
+state (``served``), the peer groups each copy runs as on its workers
+(``groups``) and a batch's calls to them (``peer_run``), the gateway-driven
+star that runs shards one by one (``remote``) and the registry that ties them
+together (``serving``).
 
 May import: ``splitter`` (plans and the plan executor), ``gateway.fleet``
 (cluster view, worker client), ``gateway.batching.assembly`` (the sender seam),

@@ -11,6 +11,7 @@ its work runs as shard models on workers::
       encoder_tp2:
         from: encoder                 # <model_repository>/encoder/<version>/model.onnx
         tensor_parallel: 2
+        collectives: peer             # (default) ranks exchange partial sums directly; `gateway`: the star
       big_pp2:
         path: /models/big.onnx        # or a file; relative paths are relative to the config file
         pipeline_parallel: 2
@@ -69,6 +70,9 @@ class LogicalSpec:
     max_batch_size: int | None
     input_shapes: tuple[tuple[str, tuple[int | str | tuple[str, int], ...]], ...] = ()
     input_values: tuple[tuple[str, str], ...] = ()  # input -> .npy path
+    # "peer": ranks exchange partial results between themselves, one gateway
+    # call per rank; "gateway": the gateway runs every segment and joins (the star).
+    collectives: str = "peer"
 
     @classmethod
     def from_settings(cls, name: str, settings: Mapping[str, Any]) -> LogicalSpec:
@@ -78,6 +82,10 @@ class LogicalSpec:
         if not isinstance(shapes, Mapping) or not isinstance(values, Mapping):
             raise ParallelConfigError(f"models.{name}: input_shapes and input_values map input names to "
                                       "dims (\"batch,3,48,width:320\" or a list) and to .npy files")
+        collectives = str(settings.get("collectives", "peer"))
+        if collectives not in ("peer", "gateway"):
+            raise ParallelConfigError(f"models.{name}.collectives: 'peer' (workers exchange partial results "
+                                      f"directly) or 'gateway' (the gateway joins them), not {collectives!r}")
         try:
             parsed = tuple((str(k), parse_dims(v)) for k, v in shapes.items())
         except ValueError as e:
@@ -94,6 +102,7 @@ class LogicalSpec:
             max_batch_size=None if mbs is None else int(mbs),
             input_shapes=parsed,
             input_values=tuple((str(k), str(v)) for k, v in values.items()),
+            collectives=collectives,
         )
 
     def hints(self) -> InputHints:
@@ -110,6 +119,7 @@ class LogicalSpec:
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "replicas": self.replicas,
+            "collectives": self.collectives,
         }
 
     def summary(self) -> str:

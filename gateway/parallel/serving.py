@@ -11,15 +11,20 @@ start and on a repository load request:
    extension's load-with-override (``config`` JSON + ``file:1/model.onnx``),
    so Triton servers can host shards too; a shard already there with the
    same content digest is left alone, which makes a restart cheap;
-4. serves batches: ``infer`` decodes the batch, runs the plan
-   (``PlanExecutor``) with each shard call routed by the router among the
-   workers holding a copy of that shard, and encodes the answer.
+4. sets each copy up as a peer group on its workers (``groups``), so a batch
+   is one call per rank (tensor parallel) or one call to the first stage
+   (pipeline), the workers exchanging partial results between themselves;
+5. serves batches: on a ready peer group (``peer_run``), else through the
+   star -- ``PlanExecutor`` with each shard call routed by the router among
+   the workers holding a copy of that shard (``collectives: gateway`` always
+   does this).
 
 Shards are ordinary models on the workers (``<logical>.tp2.r0.s1``); the
 cluster lists them like any other.
 
-Failures: the router retries a shard call on another copy (another replica
-group). When a call finds no copy at all, the registry re-places the missing
+Failures: a batch that fails on a peer group by a server's fault reruns on
+another ready group, and the failed group is rebuilt. On the star, the
+router retries a shard call on another copy (another replica group). When a call finds no copy at all, the registry re-places the missing
 slots on live workers and reruns the whole batch, within its deadline: shard
 calls are stateless, so a rerun is safe. In the background the registry
 keeps placements whole: a slot whose worker went down is re-placed at once
@@ -53,6 +58,8 @@ from gateway.parallel.logical import (
     read_source,
     signature,
 )
+from gateway.parallel.groups import GroupKeeper, peer_kind, steps_by_slot
+from gateway.parallel.peer_run import run_on_group
 from gateway.parallel.placement import SlotKey
 from gateway.parallel.remote import (
     RemoteShards,
@@ -62,7 +69,7 @@ from gateway.parallel.remote import (
 )
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
-from protos.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable
+from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from splitter.execute import PlanExecutor
 from splitter.layout_split import LayoutSplit, split_layout
 from splitter.sizes import config_shapes
@@ -108,6 +115,7 @@ class ParallelModels:
         self._specs = [LogicalSpec.from_settings(n, s) for n, s in config.logical_models().items()]
         self._served: dict[str, ServedModel] = {}
         self._placer = ShardPlacer(cluster)
+        self._groups = GroupKeeper(cluster)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._unsubscribe: Callable[[], None] | None = None
@@ -193,6 +201,10 @@ class ParallelModels:
     ) -> service_pb2.ModelInferResponse:
         if not served.loaded:
             raise ModelNotFound(f"Request for unknown model: '{served.spec.name}' is not found")
+        if self._groups.enabled(served):
+            answer = await self._run_peers(served, version, request, deadline)
+            if answer is not None:
+                return answer
         layout, needed = served.layout, served.needed
         inputs = arrays_from_request(request)
         loop = asyncio.get_running_loop()
@@ -221,12 +233,56 @@ class ParallelModels:
             served.count(key, value)
         return response_from_arrays(request, version or VERSION, outputs, [t.name for t in layout.plan.outputs])
 
-    async def _repair(self, served: ServedModel, timeout_s: float | None) -> None:
-        """Re-place now (one repair shared by every request that needs it), waiting at most ``timeout_s``."""
+    async def _run_peers(
+        self, served: ServedModel, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
+    ) -> service_pb2.ModelInferResponse | None:
+        """Run the batch on a peer group, rerunning it on another copy after a
+        server's fault; None when no group can be had (the star serves the batch)."""
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise Internal(f"batch request for '{request.model_name}' lacks raw contents for some inputs")
+        kind = peer_kind(served.layout.plan)
+        assert kind is not None
+        names = [out.name for out in request.outputs] or [t.name for t in served.layout.plan.outputs]
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        for _ in range(MAX_ATTEMPTS):
+            group = self._groups.pick(served)
+            if group is None:
+                await self._repair(served, None if deadline is None else deadline - loop.time(), urgent=True)
+                group = self._groups.pick(served)
+                if group is None:
+                    return None
+            try:
+                result = await run_on_group(self._cluster, group, kind, request, version or VERSION, names, deadline)
+            except (Unavailable, ModelNotFound, DeadlineExceeded) as e:
+                if deadline is not None and deadline - loop.time() <= 0:
+                    raise DeadlineExceeded(f"deadline exceeded for model '{served.spec.name}'") from None
+                served.count("retries")
+                log.info("model %s: group %s failed a batch (%s); rerunning it on another copy", served.spec.name,
+                         group.id, e)
+                self._groups.broken(served, group)
+                self._repair_task(served, urgent=False)
+                continue
+            elapsed = time.perf_counter() - started
+            for key, value in (("batches", 1), ("plan_s", elapsed), ("remote_s", result.remote_s),
+                               ("collective_s", max(0.0, elapsed - result.remote_s)), ("shard_calls", result.calls),
+                               ("bytes_sent", result.bytes_sent), ("bytes_received", result.bytes_received),
+                               ("peer_bytes", result.peer_bytes)):
+                served.count(key, value)
+            return result.response
+        raise Unavailable(f"model '{served.spec.name}': no copy could run the batch after {MAX_ATTEMPTS} attempts")
+
+    def _repair_task(self, served: ServedModel, *, urgent: bool) -> asyncio.Task[None]:
+        """One repair at a time per model, shared by every request that needs it."""
         task = served.repair
         if task is None or task.done():
-            task = served.repair = asyncio.create_task(self._reconcile(served, urgent=True), name=f"repair:{served.spec.name}")
+            task = served.repair = asyncio.create_task(self._reconcile(served, urgent=urgent), name=f"repair:{served.spec.name}")
             task.add_done_callback(_log_death)
+        return task
+
+    async def _repair(self, served: ServedModel, timeout_s: float | None, *, urgent: bool = True) -> None:
+        """Re-place now, waiting at most ``timeout_s``."""
+        task = self._repair_task(served, urgent=urgent)
         # Not cancelled on timeout: the placement is worth finishing for later requests.
         await asyncio.wait({task}, timeout=timeout_s)
 
@@ -240,14 +296,16 @@ class ParallelModels:
         except ParallelConfigError as e:
             raise InvalidArgument(f"failed to load '{name}': {e}") from None
         async with served.lock:
-            for attr in ("layout", "needed", "files", "digests", "info", "limit"):
+            for attr in ("layout", "needed", "files", "digests", "info", "limit", "slot_steps"):
                 setattr(served, attr, getattr(fresh, attr))
             served.loaded = True
             served.excluded.clear()
+        await self._groups.teardown_all(served)  # the shards may have changed: groups are rebuilt on them
         await self._reconcile(served, urgent=True)
 
     async def unload(self, name: str) -> None:
-        """Stop serving ``name`` and unload its shards from every worker that lists them."""
+        """Stop serving ``name``, tear its groups down and unload its shards from every worker that lists them."""
+        await self._groups.teardown_all(self._served[name])
         await self._placer.unload(self._served[name])
 
     # ---- preparation ---------------------------------------------------------
@@ -267,7 +325,10 @@ class ParallelModels:
         # Derived per replica (0): one batch executing and one waiting per shard group.
         per_replica = self._config.max_inflight_per_replica or 2
         limit = spec.max_inflight or spec.replicas * per_replica * spec.pipeline_parallel
-        served = ServedModel(spec, layout, needed_outputs(layout.plan), files, digests, info, limit)
+        steps = steps_by_slot(layout.plan) if spec.collectives == "peer" else ()
+        if spec.collectives == "peer" and not steps:
+            log.info("logical model %s: tensor x pipeline layouts run their collectives through the gateway", spec.name)
+        served = ServedModel(spec, layout, needed_outputs(layout.plan), files, digests, info, limit, steps)
         if current is not None:
             served.placement = dict(current.placement)
         log.info("logical model %s: %s, %d shards in %d slots x %d replica group(s), max %d batches in flight",
@@ -309,6 +370,8 @@ class ParallelModels:
     async def _reconcile(self, served: ServedModel, *, urgent: bool) -> None:
         if await self._placer.reconcile(served, list(self._served.values()), urgent=urgent):
             self._changed.set()  # a worker refused shards: place them elsewhere on the next round
+        if served.loaded:
+            await self._groups.sync(served)
 
 
 def _log_death(task: asyncio.Task[Any]) -> None:

@@ -1,12 +1,14 @@
 """Split models served end to end: ``infergate up`` with four workers and a
-config declaring a tensor-parallel, a pipeline-parallel and a hybrid
-(2 replica groups x TP2) logical model of ``encoder``.
+config declaring TP2, TP4, PP2 and a hybrid (2 replica groups x TP2) logical
+model of ``encoder`` on peer collectives, and TP2 on the gateway's star.
 
 Checked through tritonclient over HTTP and gRPC: outputs equal the unsplit
 model's, the logical models show ``encoder``'s signature, each worker's own
-repository index holds only its slot's shards, a repository unload/load of
-a logical model reaches the workers, and killing a worker of a replicated
-group loses no request (the test that kills runs last).
+repository index holds only its slot's shards, ``/metrics`` counts one
+gateway call per rank per batch (one per batch for the pipeline), a
+repository unload/load of a logical model reaches the workers, and killing
+a worker of a replicated group loses no request and its group is rebuilt
+(the test that kills runs last).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
 import tritonclient.grpc.aio as grpcclient_aio
 import tritonclient.http as httpclient
 
@@ -33,9 +37,13 @@ pytestmark = pytest.mark.timeout(180)
 
 LOGICAL = {
     "encoder_tp2": {"tensor_parallel": 2},
+    "encoder_tp4": {"tensor_parallel": 4},
     "encoder_pp2": {"pipeline_parallel": 2},
     "encoder_hybrid": {"tensor_parallel": 2, "replicas": 2},
+    "encoder_star": {"tensor_parallel": 2, "collectives": "gateway"},
 }
+# Gateway -> worker calls per batch on peer collectives: one per rank, one per pipeline.
+CALLS_PER_BATCH = {"encoder_tp2": 2, "encoder_tp4": 4, "encoder_pp2": 1, "encoder_hybrid": 2}
 TOLERANCE = 1e-4
 RECOVERY_TIMEOUT_S = 60.0
 
@@ -99,7 +107,7 @@ def worker_shards(address: str, headers: dict[str, str]) -> set[str]:
         client.close()
 
 
-SHARD = re.compile(r"^(?P<model>[^.]+)\.(?:tp2\.r(?P<rank>\d)|pp2)\.s(?P<seg>\d+)$")
+SHARD = re.compile(r"^(?P<model>[^.]+)\.(?:tp\d\.r(?P<rank>\d)|pp2)\.s(?P<seg>\d+)$")
 
 
 def slots_by_worker(workers: list[str], headers: dict[str, str]) -> dict[str, dict[str, set[str]]]:
@@ -154,6 +162,42 @@ async def test_concurrent_requests_are_batched_and_stay_exact(cluster: Proc, ref
         assert counts.inference_count >= len(xs) and 0 < counts.execution_count <= counts.inference_count
     finally:
         await client.close()
+
+
+def parallel_counters(proc: Proc) -> dict[tuple[str, str], float]:
+    """(family, model) -> value of the infergate_parallel_* counters on the gateway's /metrics."""
+    text = urllib.request.urlopen(f"http://{http_url(proc)}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("infergate_parallel_"):
+                out[(sample.name, sample.labels["model"])] = sample.value
+    return out
+
+
+def test_counters_show_one_gateway_call_per_rank(cluster: Proc) -> None:
+    client = grpcclient.InferenceServerClient(grpc_url(cluster))
+    try:
+        before = parallel_counters(cluster)
+        for name in LOGICAL:
+            for seed in range(3):
+                infer(client, name, tokens(2, 7, seed))
+        after = parallel_counters(cluster)
+    finally:
+        client.close()
+
+    def delta(family: str, model: str) -> float:
+        key = (f"infergate_parallel_{family}_total", model)
+        return after[key] - before.get(key, 0)
+
+    for name, calls in CALLS_PER_BATCH.items():
+        batches = delta("batches", name)
+        assert batches >= 3, name
+        assert delta("worker_calls", name) == calls * batches, name
+        assert delta("peer_bytes", name) > 0, name
+    # The star makes a call per rank per segment and moves nothing between workers.
+    assert delta("worker_calls", "encoder_star") > 2 * delta("batches", "encoder_star") > 0
+    assert delta("peer_bytes", "encoder_star") == 0
 
 
 def test_logical_models_show_the_source_signature(cluster: Proc) -> None:
@@ -289,4 +333,8 @@ async def test_killing_a_worker_of_a_replicated_group_loses_no_request(cluster: 
         if ranks == ["r0", "r0", "r1", "r1"]:
             break
         assert time.monotonic() < deadline, f"hybrid not whole again: {hybrid}"
+        await asyncio.sleep(0.2)
+    # ... and both copies run as peer groups again (the broken one rebuilt on its new members).
+    while parallel_counters(cluster).get(("infergate_parallel_groups_ready", "encoder_hybrid")) != 2:
+        assert time.monotonic() < deadline, "the hybrid's peer groups were not rebuilt"
         await asyncio.sleep(0.2)

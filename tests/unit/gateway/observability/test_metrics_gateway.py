@@ -22,6 +22,7 @@ from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, clus
 from gateway.observability.latency import LATENCY_BUCKETS_S, LatencyHistograms
 from gateway.observability.metrics import BATCH_SIZE_BUCKETS, GatewayCollector, batch_size_counts, triton_failure_reason
 from gateway.observability.stats import GatewayStats
+from gateway.parallel.served import ParallelStats
 from gateway.routing.outlier import OutlierDetector, OutlierSettings
 from gateway.routing.router import Router
 from serverkit.prometheus import render_text
@@ -283,3 +284,17 @@ def test_an_ejected_worker_shows_as_ejected_everywhere(gw: FakeGateway) -> None:
     assert 'infergate_worker_ejected{worker="10.0.0.1:8001"} 1' in text
     assert 'infergate_worker_ejected{worker="10.0.0.2:8001"} 0' in text
     assert 'infergate_worker_ejections_total{reason="latency",worker="10.0.0.1:8001"} 0' in text
+
+
+def test_parallel_counters_read_the_registry(gw: FakeGateway) -> None:
+    samples, types, _ = scrape(gw)
+    assert not any(name.startswith("infergate_parallel_") for name, _ in samples)  # no split models: no series
+    stats = ParallelStats("encoder_tp2", batches=3, failures=0, retries=0, replaced=0, shard_calls=6, plan_s=0.1,
+                          remote_s=0.05, collective_s=0.05, bytes_sent=10, bytes_received=20, peer_bytes=4096, groups_ready=1)
+    gw.parallel = SimpleNamespace(stats=lambda: {"encoder_tp2": stats})  # type: ignore[attr-defined]
+    samples, types, _ = scrape(gw)
+    assert types["infergate_parallel_worker_calls"] == "counter"
+    assert samples[key("infergate_parallel_worker_calls_total", model="encoder_tp2")] == 6
+    assert samples[key("infergate_parallel_peer_bytes_total", model="encoder_tp2")] == 4096
+    assert samples[key("infergate_parallel_batches_total", model="encoder_tp2")] == 3
+    assert samples[key("infergate_parallel_groups_ready", model="encoder_tp2")] == 1

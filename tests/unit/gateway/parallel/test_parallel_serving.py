@@ -300,6 +300,8 @@ def source_info(model_repo: Path) -> ModelInfo:
 
 
 def registry(model_repo: Path, workers: int, **settings: object) -> tuple[ParallelModels, FakeCluster, ClusterSender]:
+    """The star path (the gateway runs every shard): peer groups need real workers (integration tests)."""
+    settings.setdefault("collectives", "gateway")
     config = GatewayConfig(models={"enc": {"from": "encoder", **settings}}, model_repository=str(model_repo))
     cluster = FakeCluster(workers, source_info(model_repo))
     sender = ClusterSender(cluster)

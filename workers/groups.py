@@ -1,0 +1,181 @@
+"""Collective groups on this worker: the ranks of split models it runs with
+its peers, and how one rank runs one batch (``protos/collective.proto``).
+
+Tensor parallel: every rank holds the batch's inputs, runs its steps in
+order, and at each boundary sends its part to every other rank and waits for
+theirs (direct exchange: one hop, (N-1) parts out per rank), then joins them
+in rank order -- every rank ends with the same bytes. Rank 0 answers with the
+outputs.
+
+Pipeline: the stage runs its step, then calls the next stage's ``Run`` with
+the tensors the stages after it read, and answers with what the last stage
+returned. The call is awaited without holding the stage's model, so the next
+batch runs here while this one moves on: batches overlap along the pipeline.
+
+Concurrency: groups are read and replaced on the event loop only. A batch
+keeps the ``Group`` it started with, so a setup of a newer epoch never
+changes a batch in flight; the batch then fails on its peers' side and the
+gateway reruns it on the new group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos.collective_pb2 import PeerMessage, RunRequest, RunResponse, SetupGroupRequest, Step
+from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, from_message, to_message
+from protos.errors import InvalidArgument, Unavailable
+from workers.manager import ModelManager
+from workers.peers import BatchKey, Mailbox, PeerLinks
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+KINDS = ("tensor", "pipeline")
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    id: str
+    epoch: int
+    rank: int
+    peers: tuple[str, ...]
+    kind: str
+    steps: tuple[Step, ...]
+
+
+class GroupNotSetUp(Unavailable):
+    """The gateway asked for a group (or epoch) this worker does not hold: it sets it up again."""
+
+
+class Groups:
+    def __init__(self, manager: ModelManager, links: PeerLinks, mailbox: Mailbox) -> None:
+        self._manager = manager
+        self._links = links
+        self._mailbox = mailbox
+        self._groups: dict[tuple[str, int], Group] = {}  # (group id, rank): a worker may hold two ranks
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def setup(self, request: SetupGroupRequest) -> None:
+        if request.kind not in KINDS:
+            raise InvalidArgument(f"group {request.group_id}: kind must be one of {KINDS}, got {request.kind!r}")
+        if request.rank >= len(request.peers):
+            raise InvalidArgument(f"group {request.group_id}: rank {request.rank} but {len(request.peers)} peers")
+        if not request.steps:
+            raise InvalidArgument(f"group {request.group_id}: no steps")
+        for step in request.steps:
+            self._manager.get(step.shard)  # the shard must be loaded here: NOT_FOUND / UNAVAILABLE otherwise
+            for b in step.boundaries:
+                if b.collective not in (NONE, ALLREDUCE_SUM, ALLGATHER):
+                    raise InvalidArgument(f"group {request.group_id}: unknown collective {b.collective!r}")
+        current = self._groups.get((request.group_id, request.rank))
+        if current is not None and current.epoch > request.epoch:
+            raise InvalidArgument(f"group {request.group_id}: epoch {request.epoch} is older than {current.epoch}")
+        if current is not None and current.epoch < request.epoch:
+            self._mailbox.drop_group(request.group_id)
+        self._groups[(request.group_id, request.rank)] = Group(request.group_id, request.epoch, request.rank, tuple(request.peers),
+                                               request.kind, tuple(request.steps))
+        log.info("group %s epoch %d: rank %d of %d (%s, %d steps)", request.group_id, request.epoch, request.rank,
+                 len(request.peers), request.kind, len(request.steps))
+
+    def teardown(self, group_id: str, epoch: int) -> bool:
+        """Drop every rank of the group this worker holds (at ``epoch``; 0: any)."""
+        keys = [k for k, g in self._groups.items() if k[0] == group_id and (not epoch or g.epoch == epoch)]
+        for key in keys:
+            log.info("group %s epoch %d rank %d: torn down", group_id, self._groups.pop(key).epoch, key[1])
+        if keys:
+            self._mailbox.drop_group(group_id)
+        return bool(keys)
+
+    def _group(self, group_id: str, rank: int, epoch: int) -> Group:
+        group = self._groups.get((group_id, rank))
+        if group is None or group.epoch != epoch:
+            have = "not set up" if group is None else f"at epoch {group.epoch}"
+            raise GroupNotSetUp(f"group {group_id} epoch {epoch} is {have} on this worker")
+        return group
+
+    async def run(self, request: RunRequest, timeout_s: float | None) -> RunResponse:
+        group = self._group(request.group_id, request.rank, request.epoch)
+        timeout = DEFAULT_TIMEOUT_S if timeout_s is None else max(timeout_s, 0.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        store = {t.name: from_message(t) for t in request.inputs}
+        if group.kind == "pipeline":
+            return await self._run_stage(group, request, store, deadline)
+        key: BatchKey = (group.id, group.epoch, request.batch_id)
+        try:
+            sent = await self._run_rank(group, key, store, deadline)
+        finally:
+            self._mailbox.finish(key, group.rank)
+        response = RunResponse(peer_bytes=sent)
+        if group.rank == 0:
+            response.outputs.extend(to_message(name, store[name]) for name in request.outputs)
+        return response
+
+    async def _run_step(self, step: Step, store: dict[str, np.ndarray]) -> None:
+        model = self._manager.get(step.shard)
+        try:
+            feeds = {name: store[name] for name in step.inputs}
+        except KeyError as e:
+            raise InvalidArgument(f"shard '{step.shard}' input {e} was not sent") from None
+        store.update(await model.run_arrays(feeds, list(step.outputs)))
+
+    async def _run_rank(self, group: Group, key: BatchKey, store: dict[str, np.ndarray], deadline: float) -> int:
+        """Run this rank's steps with the exchanges between them; the bytes sent to peers."""
+        loop = asyncio.get_running_loop()
+        sent = 0
+        exchange = 0
+        for step in group.steps:
+            await self._run_step(step, store)
+            for boundary in step.boundaries:
+                if boundary.collective == NONE:
+                    continue  # the ranks agree already, or the value stays per rank
+                mine = to_message(boundary.name, store[boundary.name])
+                message = PeerMessage(group_id=group.id, epoch=group.epoch, batch_id=key[2], step=exchange,
+                                      source_rank=group.rank, tensor=mine)
+                others = [r for r in range(len(group.peers)) if r != group.rank]
+                remaining = deadline - loop.time()
+                try:
+                    async with asyncio.TaskGroup() as tasks:
+                        for r in others:
+                            addressed = PeerMessage()
+                            addressed.CopyFrom(message)
+                            addressed.target_rank = r
+                            tasks.create_task(self._links.send(group.peers[r], addressed))
+                        received = {r: tasks.create_task(self._mailbox.receive(key, exchange, r, group.rank, remaining))
+                                    for r in others}
+                except ExceptionGroup as failed:
+                    raise _first(failed) from None
+                parts = [store[boundary.name] if r == group.rank else from_message(received[r].result())
+                         for r in range(len(group.peers))]
+                axis = boundary.axis if boundary.collective == ALLGATHER else None
+                store[boundary.name] = combine(boundary.collective, parts, axis, tuple(boundary.pieces))
+                sent += len(mine.raw) * len(others)
+                exchange += 1
+        return sent
+
+    async def _run_stage(self, group: Group, request: RunRequest, store: dict[str, np.ndarray], deadline: float) -> RunResponse:
+        (step,) = group.steps
+        await self._run_step(step, store)
+        if group.rank == len(group.peers) - 1:
+            return RunResponse(outputs=[to_message(name, store[name]) for name in request.outputs])
+        onward = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=request.batch_id, rank=group.rank + 1,
+                            inputs=[to_message(name, store[name]) for name in step.forward],
+                            outputs=request.outputs)
+        remaining = deadline - asyncio.get_running_loop().time()
+        answer = await self._links.run(group.peers[group.rank + 1], onward, remaining)
+        forwarded = sum(len(t.raw) for t in onward.inputs)
+        returned = sum(len(t.raw) for t in answer.outputs)
+        return RunResponse(outputs=answer.outputs, peer_bytes=answer.peer_bytes + forwarded + returned)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf error of a task group, which the error edge can map to a status."""
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
