@@ -1,7 +1,8 @@
 """The fleet: which workers exist, which are healthy, and what runs where.
 
-``cluster`` is the gateway's view of its workers and their models (probed;
-Triton servers through ``triton_discovery``); ``worker_client`` speaks to one
+``cluster`` keeps the gateway's view of its workers and their models (probed;
+Triton servers through ``triton_discovery``; its records are in ``view``);
+``worker_client`` speaks to one
 worker; membership sources are the static list (``membership``), DNS
 (``discovery``) and self-registration (``registry``, ``worker_reports``);
 ``placement``, ``rendezvous`` and ``demand`` keep models on workers;

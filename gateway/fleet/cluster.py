@@ -29,16 +29,15 @@ half-applied probe.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from tritonclient.grpc import model_config_pb2, service_pb2
+from tritonclient.grpc import model_config_pb2
 
 from gateway.config import WorkerSpec
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
+from gateway.fleet.view import ModelInfo, WorkerModel, WorkerState, WorkerStatus, version_key
 from gateway.fleet.worker_client import WorkerClient
 from protos.errors import InferGateError
 from protos.execution_slots import execution_slots
@@ -47,88 +46,6 @@ log = logging.getLogger(__name__)
 
 ChangeListener = Callable[[], None]
 ClientFactory = Callable[[WorkerSpec], WorkerClient]
-
-
-class WorkerStatus(enum.Enum):
-    READY = "READY"
-    DOWN = "DOWN"
-    DRAINING = "DRAINING"  # up, but takes no new work
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerModel:
-    """One model as one worker serves it."""
-
-    name: str
-    versions: tuple[str, ...]
-    config: model_config_pb2.ModelConfig
-    metadata: service_pb2.ModelMetadataResponse
-    # Batches of this model the worker executes at once (protos.execution_slots).
-    slots: int = 1
-
-
-@dataclass(slots=True, eq=False)
-class WorkerState:
-    """One worker as the gateway sees it. Identity-hashed: one object per worker.
-
-    ``state``, ``consecutive_failures`` and ``models`` belong to the cluster;
-    ``inflight``, ``sent``, ``failures`` and ``retries`` to the router.
-    """
-
-    spec: WorkerSpec
-    client: WorkerClient
-    state: WorkerStatus = WorkerStatus.DOWN
-    consecutive_failures: int = 0
-    last_error: str = ""
-    models: dict[str, WorkerModel] = field(default_factory=dict)
-    draining: bool = False
-    inflight: int = 0  # batches sent and not answered yet
-    sent: int = 0  # batches sent
-    failures: int = 0  # batches that failed here (any error)
-    retries: int = 0  # batches that failed here and were retried on a replica
-    # READY (name, version) pairs of the last index; details are re-read only when it changes.
-    index: frozenset[tuple[str, str]] = frozenset()
-    # Calls this worker refused (call -> reason), e.g. a restricted repository index.
-    unreadable: dict[str, str] = field(default_factory=dict)
-    # "explicit", "none" (it refused a load or unload) or "" (not known yet).
-    model_control: str = ""
-    # Models loaded here through the gateway: looked up by name when no list is readable.
-    loaded: set[str] = field(default_factory=set)
-    # Models its index shows it was asked to serve and cannot (name -> why): strict readiness.
-    failed: dict[str, str] = field(default_factory=dict)
-    # Serialises probes of this worker (the periodic loop and refresh()).
-    probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def address(self) -> str:
-        return self.spec.address
-
-    @property
-    def kind(self) -> str:
-        return self.spec.kind
-
-    @property
-    def is_up(self) -> bool:
-        """Reachable and probed: READY or DRAINING."""
-        return self.state is not WorkerStatus.DOWN
-
-    def __repr__(self) -> str:
-        return f"WorkerState({self.address}, {self.state.name}, inflight={self.inflight})"
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """One model across the cluster: its READY replicas and a config/metadata to validate against."""
-
-    name: str
-    versions: tuple[str, ...]
-    config: model_config_pb2.ModelConfig
-    metadata: service_pb2.ModelMetadataResponse
-    replicas: tuple[WorkerState, ...]
-
-
-def version_key(version: str) -> tuple[int, str]:
-    return (int(version), version) if version.isdigit() else (-1, version)
 
 
 def _default_client(spec: WorkerSpec) -> WorkerClient:
