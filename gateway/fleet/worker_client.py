@@ -190,6 +190,11 @@ class WorkerClient:
         # state tells the two apart without parsing messages.
         if code in _TRANSPORT_CODES and (self._closed or not self.connected(lane)):
             return WorkerUnreachable(f"worker {self.address} unreachable: {details}")
+        if code is grpc.StatusCode.CANCELLED:
+            # Our own cancellations surface as asyncio.CancelledError, never as a
+            # status: a CANCELLED status is the worker's doing (a server that is
+            # stopping cancels the calls it holds), so it is retried elsewhere.
+            return WorkerUnreachable(f"worker {self.address} cancelled the call: {details}")
         if code is grpc.StatusCode.UNAVAILABLE:
             # Triton answers each of these with UNAVAILABLE on a live connection,
             # like a server that is not ready; only its message tells them apart.

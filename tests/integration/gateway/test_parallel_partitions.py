@@ -33,9 +33,12 @@ from tests.netsim import Host, NetSim
 pytestmark = pytest.mark.timeout(120)
 
 LOGICAL = "encoder_hybrid"
+# The gateway-driven collectives: every rank's shard call goes through the
+# gateway, so a cut rank's calls hang and hang detection must act (asserted
+# below from the log). Peer collectives move that traffic between workers.
 CONFIG = GATEWAY_CONFIG + f"""
 models:
-  {LOGICAL}: {{from: encoder, tensor_parallel: 2, replicas: 2}}
+  {LOGICAL}: {{from: encoder, tensor_parallel: 2, replicas: 2, collectives: gateway}}
 """
 SEQ = 8
 

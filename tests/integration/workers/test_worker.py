@@ -385,8 +385,8 @@ def test_bad_loads_fail_and_the_server_stays_up(client: grpcclient.InferenceServ
 # --- process lifecycle ----------------------------------------------------------------------
 
 
-def slow_model(layers: int = 150, size: int = 512) -> onnx.ModelProto:
-    """About a second or two of one CPU core per run: MatMul+Relu layers on [size, size]."""
+def slow_model(layers: int = 600, size: int = 512) -> onnx.ModelProto:
+    """Long enough to catch in flight: MatMul+Relu layers on [size, size] (about half a second of a fast core)."""
     nodes, x = [], "X"
     for i in range(layers):
         out = "Y" if i == layers - 1 else f"r{i}"
@@ -421,12 +421,20 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
         with grpcclient.InferenceServerClient(worker_url(proc)) as client, ThreadPoolExecutor(1) as pool:
             tensor = grpcclient.InferInput("X", [512, 512], "FP32")
             tensor.set_data_from_numpy(x)
-            baseline = cpu_seconds(proc.pid)
+            # Start counting once the worker is idle: it may still finish starting up
+            # after its ready file, and that CPU must not pass for the request's.
+            baseline, settle_by = cpu_seconds(proc.pid), time.monotonic() + 30
+            while True:
+                time.sleep(0.05)
+                now = cpu_seconds(proc.pid)
+                if now - baseline < 0.005 or time.monotonic() > settle_by:
+                    break
+                baseline = now
             pending = pool.submit(client.infer, "slow", [tensor])
             # The request is in flight once the worker burns CPU on it (it is idle otherwise).
             deadline = time.monotonic() + 60
             while cpu_seconds(proc.pid) - baseline < 0.2:
-                assert not pending.done(), "the request finished before SIGTERM: make slow_model slower"
+                assert not pending.done(), f"the request finished before SIGTERM: make slow_model slower ({pending.exception()!r})"
                 assert time.monotonic() < deadline, "the worker never started computing"
                 time.sleep(0.01)
             proc.popen.send_signal(signal.SIGTERM)

@@ -482,3 +482,15 @@ async def test_a_call_that_may_not_wait_goes_only_to_an_idle_replica() -> None:
         assert (await router.infer("m", "", request(), None, wait_for_slot=False)).id == "b:1"
     finally:
         await cluster.stop()
+
+
+async def test_worker_client_takes_a_workers_cancellation_as_its_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopping worker cancels the calls it holds; the connection is still up, and the batch must go elsewhere."""
+    client = WorkerClient("127.0.0.1:1")
+    monkeypatch.setattr(client, "connected", lambda lane="data": True)
+    try:
+        error = client._map_error(grpc.aio.AioRpcError(
+            grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="CANCELLED"))
+        assert type(error) is WorkerUnreachable
+    finally:
+        await client.close()
