@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from gateway.fleet.cluster import ModelInfo
 from gateway.up import try_request
 
-URL = "http://127.0.0.1:8000"
+URL = "http://gateway.test:42017"  # only formatted into the banner, never connected to
 
 
 def info(name: str, *inputs: tuple[str, str, list[int]]) -> ModelInfo:
