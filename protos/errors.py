@@ -112,10 +112,20 @@ class PayloadTooLarge(InferGateError):
 
 
 class Internal(InferGateError):
-    """Unexpected failure. Its message is generic; the traceback is logged, never returned."""
+    """Unexpected failure: the message names the cause; the traceback is logged, never returned."""
 
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL
+
+    @classmethod
+    def caused_by(cls, where: str, exc: BaseException | None, request_id: str = "") -> "Internal":
+        """``where`` failed because of ``exc``: its type and message, and the request id to find the log."""
+        cause = "no cause recorded" if exc is None else f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if len(cause) > 300:
+            cause = cause[:297] + "..."
+        tail = f" (request id '{request_id}'; the gateway log has the traceback)" if request_id else \
+            " (the gateway log has the traceback)"
+        return cls(f"internal error {where}: {cause}{tail}")
 
 
 ALL_ERRORS: tuple[type[InferGateError], ...] = (

@@ -244,7 +244,7 @@ class Batcher:
         error = None if task.cancelled() else task.exception()
         logger.error("model %s: batch scheduler stopped", self.name, exc_info=error)
         self._accepting = False
-        self._queue.fail_queued(Internal("internal error in the batch scheduler"))
+        self._queue.fail_queued(Internal.caused_by(f"in model '{self.name}''s batch scheduler", error))
 
     def _poke(self) -> None:
         waiter = self._waiter
@@ -380,9 +380,9 @@ class Batcher:
             raise
         except InferGateError as exc:
             error = exc
-        except Exception:
+        except Exception as exc:
             logger.exception("model %s: batch of requests %s failed", self.name, [e.req.id for e in live])
-            error = Internal("internal error while running the batch")
+            error = Internal.caused_by(f"running a batch of model '{self.name}'", exc)
         finally:
             if error is not None:
                 self.stats.failed_batches += 1

@@ -44,11 +44,11 @@ _Resp = TypeVar("_Resp")
 
 
 def _as_error(exc: Exception, request_id: str = "") -> InferGateError:
-    """Our error for ``exc``; anything unexpected becomes a generic Internal, logged with its traceback."""
+    """Our error for ``exc``; anything unexpected becomes an Internal naming its cause, logged with its traceback."""
     if isinstance(exc, InferGateError):
         return exc
     _log.error("unexpected error in gRPC request id=%r", request_id, exc_info=exc)
-    return Internal("internal error; see the gateway log")
+    return Internal.caused_by("in the gateway", exc, request_id)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request_id: str = "") -> NoReturn:

@@ -154,10 +154,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if hdrs.ALLOW in exc.headers:
             response.headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
         return response
-    except Exception:  # the error edge: anything else is our bug, never the client's business
+    except Exception as exc:  # the error edge: anything else is our bug, never the client's business
         log.exception("unexpected error serving %s %s (request id %r)", request.method, request.path,
                       _request_id.get())
-        return error_response(500, "internal server error")
+        return error_response(500, Internal.caused_by(f"serving {request.path}", exc, _request_id.get()).message)
 
 
 def error_response(status: int, message: str, *, retry_after_s: float | None = None) -> web.Response:
