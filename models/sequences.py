@@ -6,6 +6,10 @@
 - ``simple_dyna_sequence``: adds END and CORRID (UINT64):
   ``OUTPUT = INPUT + START + END * CORRID``, so the last request of a sequence
   comes back with its sequence id added.
+- ``simple_string_dyna_sequence``: Triton's string-id twin of the last
+  (its CORRID control is ``TYPE_STRING``): sequence ids are strings, and the
+  one added at END must read as a decimal integer (``"1002"``), as Triton's
+  ``dyna_sequence`` backend requires.
 - ``accumulate``: implicit state (``sequence_batching.state``): ``OUTPUT`` is
   the running sum of the sequence's ``INPUT``s; the worker feeds the previous
   sum back on ``ACC_IN`` (zeros at START) and keeps ``ACC_OUT`` for the next.
@@ -68,7 +72,7 @@ def simple_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
     return model, config
 
 
-def simple_dyna_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+def _dyna_sequence(name: str, corrid_onnx: int, corrid_config: int) -> tuple[onnx.ModelProto, mc.ModelConfig]:
     nodes = [
         helper.make_node("Cast", ["CORRID"], ["corrid"], to=TensorProto.INT32),
         helper.make_node("Mul", ["END", "corrid"], ["end_corrid"]),
@@ -77,19 +81,28 @@ def simple_dyna_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
         helper.make_node("Mul", ["total", "READY"], ["OUTPUT"]),
     ]
     model = _model(
-        "simple_dyna_sequence", nodes,
+        name, nodes,
         [("INPUT", TensorProto.INT32), ("START", TensorProto.INT32), ("END", TensorProto.INT32),
-         ("READY", TensorProto.INT32), ("CORRID", TensorProto.UINT64)],
+         ("READY", TensorProto.INT32), ("CORRID", corrid_onnx)],
         ["OUTPUT"],
     )
-    config = _config("simple_dyna_sequence")
+    config = _config(name)
     _flag(config, "START", _Kind.CONTROL_SEQUENCE_START)
     _flag(config, "END", _Kind.CONTROL_SEQUENCE_END)
     _flag(config, "READY", _Kind.CONTROL_SEQUENCE_READY)
     config.sequence_batching.control_input.add(name="CORRID").control.add(
-        kind=_Kind.CONTROL_SEQUENCE_CORRID, data_type=mc.TYPE_UINT64
+        kind=_Kind.CONTROL_SEQUENCE_CORRID, data_type=corrid_config
     )
     return model, config
+
+
+def simple_dyna_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+    return _dyna_sequence("simple_dyna_sequence", TensorProto.UINT64, mc.TYPE_UINT64)
+
+
+def simple_string_dyna_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+    # ONNX's Cast parses the decimal string id, as Triton's dyna_sequence backend requires of string ids.
+    return _dyna_sequence("simple_string_dyna_sequence", TensorProto.STRING, mc.TYPE_STRING)
 
 
 def accumulate() -> tuple[onnx.ModelProto, mc.ModelConfig]:
@@ -107,6 +120,6 @@ def accumulate() -> tuple[onnx.ModelProto, mc.ModelConfig]:
 
 
 SEQUENCE_MODELS: tuple[Callable[[], tuple[onnx.ModelProto, mc.ModelConfig]], ...] = (
-    simple_sequence, simple_dyna_sequence, accumulate,
+    simple_sequence, simple_dyna_sequence, simple_string_dyna_sequence, accumulate,
 )
-SEQUENCE_MODEL_NAMES = ("simple_sequence", "simple_dyna_sequence", "accumulate")
+SEQUENCE_MODEL_NAMES = ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate")

@@ -19,7 +19,7 @@ STRING_NAMES = ["identity_string", "string_to_int"]
 CLASSIFY_STEPS = ["preprocess", "postprocess"]
 ONNX_NAMES = NUMERIC_NAMES + STRING_NAMES + CLASSIFY_STEPS
 ENSEMBLE_NAMES = ["classify"]  # config only; see test_classify_models.py
-SEQUENCE_NAMES = ["simple_sequence", "simple_dyna_sequence", "accumulate"]  # see test_sequence_models.py
+SEQUENCE_NAMES = ["simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate"]  # see test_sequence_models.py
 EXPECTED_NAMES = ONNX_NAMES + ENSEMBLE_NAMES + SEQUENCE_NAMES
 
 # name -> (max_batch_size, dynamic_batching, inputs, outputs); tensors as (name, type, dims).
