@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2 as mc
@@ -105,21 +106,41 @@ def simple_string_dyna_sequence() -> tuple[onnx.ModelProto, mc.ModelConfig]:
     return _dyna_sequence("simple_string_dyna_sequence", TensorProto.STRING, mc.TYPE_STRING)
 
 
-def accumulate() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+def _accumulate(name: str) -> tuple[onnx.ModelProto, mc.ModelConfig]:
     nodes = [
         helper.make_node("Add", ["ACC_IN", "INPUT"], ["OUTPUT"]),
         helper.make_node("Identity", ["OUTPUT"], ["ACC_OUT"]),
     ]
-    model = _model("accumulate", nodes, [("INPUT", TensorProto.INT32), ("ACC_IN", TensorProto.INT32)],
+    model = _model(name, nodes, [("INPUT", TensorProto.INT32), ("ACC_IN", TensorProto.INT32)],
                    ["OUTPUT", "ACC_OUT"])
-    config = _config("accumulate")
-    config.sequence_batching.state.add(
-        input_name="ACC_IN", output_name="ACC_OUT", data_type=mc.TYPE_INT32, dims=[1]
-    ).initial_state.add(name="zero", data_type=mc.TYPE_INT32, dims=[1], zero_data=True)
+    config = _config(name)
+    config.sequence_batching.state.add(input_name="ACC_IN", output_name="ACC_OUT", data_type=mc.TYPE_INT32, dims=[1])
+    return model, config
+
+
+def accumulate() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+    model, config = _accumulate("accumulate")
+    config.sequence_batching.state[0].initial_state.add(name="zero", data_type=mc.TYPE_INT32, dims=[1], zero_data=True)
+    return model, config
+
+
+SEED = 100
+
+
+def accumulate_seeded() -> tuple[onnx.ModelProto, mc.ModelConfig]:
+    model, config = _accumulate("accumulate_seeded")
+    config.sequence_batching.state[0].initial_state.add(name="seed", data_type=mc.TYPE_INT32, dims=[1],
+                                                         data_file="seed.bin")
     return model, config
 
 
 SEQUENCE_MODELS: tuple[Callable[[], tuple[onnx.ModelProto, mc.ModelConfig]], ...] = (
-    simple_sequence, simple_dyna_sequence, simple_string_dyna_sequence, accumulate,
+    simple_sequence, simple_dyna_sequence, simple_string_dyna_sequence, accumulate, accumulate_seeded,
 )
-SEQUENCE_MODEL_NAMES = ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate")
+SEQUENCE_MODEL_NAMES = (
+    "simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate", "accumulate_seeded",
+)
+# Files beside a model's config, by model: path inside the model directory -> bytes.
+SEQUENCE_MODEL_FILES: dict[str, dict[str, bytes]] = {
+    "accumulate_seeded": {"initial_state/seed.bin": np.array([SEED], dtype="<i4").tobytes()},
+}
