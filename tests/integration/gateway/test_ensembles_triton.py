@@ -4,7 +4,8 @@ the ensemble's config, our worker B serves ``cnn``, and Triton serves
 ``postprocess`` (its Python backend running the same ONNX graph, as
 models/triton.py writes it). The gateway's answers must equal the three ONNX
 models run by hand with ONNX Runtime, over HTTP and gRPC, and the Triton step
-must really have run on Triton (its own statistics count the rows).
+must really have run on Triton (its own statistics count the rows), and the
+ensemble's statistics list its share like any other step's.
 """
 
 from __future__ import annotations
@@ -99,3 +100,8 @@ def test_the_ensemble_with_a_triton_step_equals_its_steps_by_hand(
         assert time.monotonic() < deadline, f"Triton ran {_triton_rows(triton)} postprocess rows of {sent}"
         time.sleep(0.05)
     assert _triton_rows(triton) == sent  # every ensemble row's last step ran on Triton, once
+    # The gateway's statistics of the ensemble list the Triton step's share like any other step's.
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}") as client:
+        stats = client.get_inference_statistics("classify").model_stats
+    assert [(s.name, s.version, s.inference_count, s.execution_count) for s in stats] == [
+        ("classify", "1", sent, 4), ("preprocess", "1", sent, 4), ("cnn", "1", sent, 4), ("postprocess", "1", sent, 4)]
