@@ -21,7 +21,8 @@ from gateway.batching.batcher import Batcher, BatchPolicy
 from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled, fill_statistics
 from gateway.config import GatewayConfig
 from gateway.ensembles.plan import is_ensemble
-from gateway.ensembles.runner import Ensembles
+from gateway.ensembles.readiness import missing_step
+from gateway.ensembles.runner import Ensembles, StepRun
 from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
@@ -43,16 +44,8 @@ from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFou
 log = logging.getLogger(__name__)
 
 EXTENSIONS = [
-    "model_repository",
-    "model_repository(unload_dependents)",
-    "schedule_policy",
-    "model_configuration",
-    "statistics",
-    "binary_tensor_data",
-    "parameters",
-    "system_shared_memory",
-    "logging",
-    "classification",
+    "model_repository", "model_repository(unload_dependents)", "schedule_policy", "model_configuration", "statistics",
+    "binary_tensor_data", "parameters", "system_shared_memory", "logging", "classification",
 ]
 
 
@@ -252,9 +245,11 @@ class Gateway:
         try:
             if ensemble:
                 # Each step is a request of its own through this path; the deadline set above covers them all.
-                response = await self.ensembles.run(self.ensembles.plan(info.config), request)
-                request.dispatched = started
-                self.stats.record_execution(request.model, version, rows, _ns(time.monotonic() - started))
+                runs: list[StepRun] = []
+                try:
+                    response = await self.ensembles.run(self.ensembles.plan(info.config), request, runs)
+                finally:  # its queue time is its steps' (Triton's counts; see observability.stats)
+                    request.dispatched = started + self.stats.record_ensemble(request.model, version, rows, runs) / 1e9
             else:
                 batcher = await self._batcher(request.model, version, info.config)
                 # However long its batch runs for others, a request is answered by its deadline:
@@ -350,7 +345,11 @@ class Gateway:
 
     def unservable(self) -> dict[str, str]:
         """What the gateway is asked to serve and cannot now (``gateway.fleet.readiness``)."""
-        return unservable(self.cluster, self.fleet.placement.book, self.parallel.index_entries())
+        problems = unservable(self.cluster, self.fleet.placement.book, self.parallel.index_entries())
+        for name, info in self.cluster.models().items():  # an ensemble is servable when its steps are
+            if is_ensemble(info.config) and (why := self._missing_step(info.config)) is not None:
+                problems.setdefault(name, why)
+        return problems
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
         return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
@@ -360,24 +359,17 @@ class Gateway:
             info, _ = self._model(name, version)
         except ModelNotFound:
             return False
-        return not is_ensemble(info.config) or self._steps_ready(info.config)
+        return not is_ensemble(info.config) or self._missing_step(info.config) is None
 
-    def _steps_ready(self, config: model_config_pb2.ModelConfig, depth: int = 0) -> bool:
-        """An ensemble is ready when every step is (nested ensembles included, to a sane depth)."""
-        if depth > 8:
-            return False
+    def _missing_step(self, config: model_config_pb2.ModelConfig) -> str | None:
+        """Why an ensemble cannot run now (``gateway.ensembles.readiness``), or None."""
+        return missing_step(config, self.ensembles.plan, self._servable_config)
+
+    def _servable_config(self, name: str, version: str) -> model_config_pb2.ModelConfig | None:
         try:
-            plan = self.ensembles.plan(config)
-        except InvalidArgument:
-            return False
-        for model, version in plan.step_models():
-            try:
-                info, _ = self._model(model, version)
-            except (ModelNotFound, Unavailable):
-                return False
-            if is_ensemble(info.config) and not self._steps_ready(info.config, depth + 1):
-                return False
-        return True
+            return self._model(name, version)[0].config
+        except (ModelNotFound, Unavailable):
+            return None
 
     def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
         info, _ = self._model(name, version)
@@ -398,7 +390,17 @@ class Gateway:
         known += [(e.name, e.version) for e in self.parallel.index_entries() if self.parallel.model(e.name)]
         response = self.stats.to_proto(name, version, known)
         fill_statistics(response, self.cache.counters())
+        config = self.model_config(name) if name else None
+        if config is not None and is_ensemble(config):  # after the ensemble's entry, its steps' shares
+            steps = [(s.index, s.model, s.version or self._latest(s.model)) for s in self.ensembles.plan(config).steps]
+            self.stats.add_step_entries(response, steps)
         return response
+
+    def _latest(self, name: str) -> str:
+        try:
+            return self._model(name)[1]
+        except (ModelNotFound, Unavailable):
+            return ""
 
     async def worker_statistics(self, name: str = "", version: str = "") -> list[repository.WorkerStatistics]:
         """Each worker's own statistics of ``name`` (all models when empty): Triton's, or our worker's."""

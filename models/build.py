@@ -32,7 +32,7 @@ from google.protobuf import text_format
 from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2 as mc
 
-from models.sequences import SEQUENCE_MODEL_NAMES, SEQUENCE_MODELS
+from models.sequences import SEQUENCE_MODEL_FILES, SEQUENCE_MODEL_NAMES, SEQUENCE_MODELS
 from models.graph_builder import GraphBuilder
 
 logger = logging.getLogger(__name__)
@@ -365,6 +365,8 @@ def build_repository(path: str | Path, models: tuple[ExampleModel, ...] = EXAMPL
         model, config = build_sequence()
         _write_if_changed(root / config.name / "1" / "model.onnx", model.SerializeToString())
         _write_if_changed(root / config.name / "config.pbtxt", (CONFIG_HEADER + text_format.MessageToString(config)).encode())
+        for relative, data in SEQUENCE_MODEL_FILES.get(config.name, {}).items():
+            _write_if_changed(root / config.name / relative, data)
         logger.info("built stateful model %s in %s", config.name, root)
         names.append(config.name)
     return names

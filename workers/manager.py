@@ -42,6 +42,7 @@ from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavai
 from protos.execution_slots import set_execution_slots
 from workers.backends.base import Backend, ModelInstance, Placement
 from workers.model import LoadedModel
+from workers.sequences import SequenceSettings
 from workers.warmup import WarmupSample, run_warmup, warmup_samples
 from workers.repository import (
     ModelRepository,
@@ -96,6 +97,7 @@ class _Built:
     instances: dict[int, list[ModelInstance]]
     missing: dict[int, str]
     warmup: list[WarmupSample]
+    sequences: SequenceSettings | None = None  # read with the model directory (initial-state files)
 
     def close(self) -> None:
         for instances in self.instances.values():
@@ -273,7 +275,8 @@ class ModelManager:
                     raise InvalidArgument(f"failed to load '{name}': {exc.message}") from None
                 raise
             versions = {
-                number: LoadedModel(built.config, number, instances, max_queue_size=self._max_queue_size)
+                number: LoadedModel(built.config, number, instances, max_queue_size=self._max_queue_size,
+                                    sequences=built.sequences)
                 for number, instances in built.instances.items()
             }
             old, old_staged = list(entry.versions.values()), entry.staged_dir
@@ -310,6 +313,7 @@ class ModelManager:
         bound = self.backend.execution_threads
         set_execution_slots(config, min(len(placements), bound) if bound > 0 else len(placements))
         samples = warmup_samples(config, model_dir)  # before any instance: a bad sample costs no session
+        sequences = SequenceSettings.from_config(config, model_dir)  # so is a bad initial state
         created: dict[int, list[ModelInstance]] = {}
         try:
             for number in numbers:
@@ -321,7 +325,7 @@ class ModelManager:
                 for instance in instances:
                     instance.close()
             raise
-        return _Built(config, placements, created, missing, samples)
+        return _Built(config, placements, created, missing, samples, sequences)
 
     async def _unload(self, name: str) -> None:
         async with self._locked(name, create=False) as entry:

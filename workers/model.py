@@ -42,6 +42,7 @@ class LoadedModel:
         instances: Sequence[ModelInstance],
         *,
         max_queue_size: int,
+        sequences: SequenceSettings | None = None,
     ) -> None:
         self.name = config.name
         self.version = version
@@ -52,8 +53,9 @@ class LoadedModel:
         self._instances = list(instances)
         # An ensemble's version holds only its config: the gateway runs its steps.
         self.gateway_only = config.platform == "ensemble"
-        # A stateful model (`sequence_batching`): its open sequences and their state.
-        settings = SequenceSettings.from_config(config)
+        # A stateful model (`sequence_batching`): its open sequences and their state. `sequences`
+        # comes read at load (with initial-state files); without it, read here from the config alone.
+        settings = sequences or SequenceSettings.from_config(config)
         self.sequences = SequenceBook(self.name, settings, config.max_batch_size > 0) if settings else None
         # Idle instances. An instance is in here or held by exactly one request.
         self._free: asyncio.Queue[ModelInstance] = asyncio.Queue()

@@ -12,7 +12,11 @@ worker fills in what the config asks of the server:
   carrying the sequence id in the control's ``data_type``;
 - implicit state (``state``): the value the model produced on ``output_name``
   for the previous request of the sequence is fed back on ``input_name``;
-  zeros on the START request.
+  on the START request, the state's ``initial_state``: zeros
+  (``zero_data``, or no initial_state at all) or the contents of
+  ``data_file``, read once at load from the model's ``initial_state/``
+  directory (raw row-major bytes; BYTES in the 4-byte length-prefixed form),
+  as Triton reads it.
 
 The requests of one sequence run one at a time, in arrival order (a FIFO
 lock per sequence), each as its own execution: the direct and the oldest
@@ -29,19 +33,21 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos import codec
-from protos.errors import InvalidArgument
+from protos.errors import InferGateError, InvalidArgument
 from workers.repository import wire_datatype
 
 SEQUENCE_ID = "sequence_id"
 SEQUENCE_START = "sequence_start"
 SEQUENCE_END = "sequence_end"
 DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
+INITIAL_STATE_DIR = "initial_state"  # data_file names are relative to <model>/initial_state/, as in Triton
 _Kind = mc.ModelSequenceBatching.Control
 CorrelationId = int | str
 
@@ -61,6 +67,8 @@ class StateSpec:
     output_name: str
     datatype: str
     dims: tuple[int, ...]
+    # The state at START, without the batch dim (None: zeros).
+    initial: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,11 @@ class SequenceSettings:
     idle_s: float
 
     @classmethod
-    def from_config(cls, config: mc.ModelConfig) -> SequenceSettings | None:
+    def from_config(cls, config: mc.ModelConfig, model_dir: Path | None = None) -> SequenceSettings | None:
+        """The settings of ``config`` (None when it is not stateful). Blocking: reads initial-state files.
+
+        An ``initial_state`` with a ``data_file`` needs ``model_dir``, the model's directory.
+        """
         if not config.HasField("sequence_batching"):
             return None
         sb = config.sequence_batching
@@ -84,12 +96,8 @@ class SequenceSettings:
         for state in sb.state:
             if any(d < 0 for d in state.dims):
                 raise InvalidArgument(f"model '{config.name}': state '{state.input_name}' needs fixed dims, got {list(state.dims)}")
-            if any(init.WhichOneof("state_data") == "data_file" for init in state.initial_state):
-                raise InvalidArgument(
-                    f"model '{config.name}': state '{state.input_name}': initial_state from a data_file is not "
-                    "supported by this worker; use zero_data"
-                )
-            states.append(StateSpec(state.input_name, state.output_name, wire_datatype(state.data_type), tuple(state.dims)))
+            spec = StateSpec(state.input_name, state.output_name, wire_datatype(state.data_type), tuple(state.dims))
+            states.append(_with_initial(config.name, spec, state, model_dir))
         idle_us = sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US
         return cls(tuple(controls), tuple(states), idle_us / 1e6)
 
@@ -101,8 +109,43 @@ class SequenceSettings:
 
 def server_filled_inputs(config: mc.ModelConfig) -> set[str]:
     """The control and state inputs of ``config``'s ``sequence_batching`` (none without it)."""
-    settings = SequenceSettings.from_config(config)
-    return settings.filled_inputs if settings else set()
+    if not config.HasField("sequence_batching"):
+        return set()
+    sb = config.sequence_batching
+    return {c.name for c in sb.control_input} | {s.input_name for s in sb.state}
+
+
+def _with_initial(model: str, spec: StateSpec, state: Any, model_dir: Path | None) -> StateSpec:
+    """``spec`` with its ``initial_state`` read (zeros stay None)."""
+    where = f"model '{model}': state '{spec.input_name}'"
+    if len(state.initial_state) > 1:
+        raise InvalidArgument(f"{where} gives {len(state.initial_state)} initial_state entries; at most one is allowed")
+    if not state.initial_state:
+        return spec
+    init = state.initial_state[0]
+    if init.data_type != state.data_type or (init.dims and tuple(init.dims) != spec.dims):
+        raise InvalidArgument(
+            f"{where}: initial_state '{init.name}' must have the state's data_type and dims "
+            f"({mc.DataType.Name(state.data_type)} {list(spec.dims)}), got "
+            f"{mc.DataType.Name(init.data_type)} {list(init.dims)}")
+    if init.WhichOneof("state_data") != "data_file":
+        return spec  # zero_data
+    if model_dir is None:
+        raise InvalidArgument(f"{where}: initial_state '{init.name}' reads a data_file, which needs the model directory")
+    root = (model_dir / INITIAL_STATE_DIR).resolve()
+    path = (root / init.data_file).resolve()
+    if root not in path.parents:
+        raise InvalidArgument(f"{where}: initial_state data_file must name a file inside '{INITIAL_STATE_DIR}/'")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"{where}: cannot read {INITIAL_STATE_DIR}/{init.data_file}: {exc.strerror}") from None
+    try:
+        initial = codec.decode(spec.datatype, list(spec.dims), raw, name=spec.input_name)
+    except InferGateError as exc:
+        raise InvalidArgument(f"{where}: {INITIAL_STATE_DIR}/{init.data_file} does not hold a {spec.datatype}"
+                              f"{list(spec.dims)} tensor: {exc.message}") from None
+    return StateSpec(spec.input_name, spec.output_name, spec.datatype, spec.dims, np.array(initial, copy=True))
 
 
 def _control(model: str, name: str, control: Any) -> ControlInput:
@@ -199,12 +242,12 @@ class SequenceBook:
         """The control and state inputs of this request (call holding the sequence's lock)."""
         lead = (batch_size,) if self._batched else ()
         if flags.start:  # a START on an open sequence restarts it, as Triton does
-            sequence.states = {s.input_name: _zeros(s, lead) for s in self.settings.states}
+            sequence.states = {s.input_name: _initial(s, lead) for s in self.settings.states}
         arrays = {}
         for control in self.settings.controls:
             arrays[control.name] = self._control_value(control, flags, (*lead, 1))
         for spec in self.settings.states:
-            arrays[spec.input_name] = sequence.states.get(spec.input_name, _zeros(spec, lead))
+            arrays[spec.input_name] = sequence.states.get(spec.input_name, _initial(spec, lead))
         return arrays
 
     def state_outputs(self) -> list[str]:
@@ -252,5 +295,8 @@ class SequenceBook:
         return np.full(shape, control.true_value if on else control.false_value, dtype=dtype)
 
 
-def _zeros(spec: StateSpec, lead: tuple[int, ...]) -> np.ndarray:
-    return np.zeros((*lead, *spec.dims), dtype=codec.numpy_dtype(spec.datatype))
+def _initial(spec: StateSpec, lead: tuple[int, ...]) -> np.ndarray:
+    """The state at START: the initial_state's data (one per row of the batch dim), else zeros."""
+    if spec.initial is None:
+        return np.zeros((*lead, *spec.dims), dtype=codec.numpy_dtype(spec.datatype))
+    return np.array(np.broadcast_to(spec.initial, (*lead, *spec.dims)), copy=True)

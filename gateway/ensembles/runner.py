@@ -12,13 +12,21 @@ the whole ensemble. A failing step fails the request with the step's own
 error class (its HTTP status and gRPC code) and a message naming the
 ensemble, the step and the step's model; the other steps of its wave are
 cancelled.
+
+Each step that ends (answered or failed) is reported as a ``StepRun`` in the
+list the caller hands in: its rows, the time its request waited before its
+batch left for a worker (queue) and the time from then to its answer
+(compute), from which the core fills the ensemble's statistics and each
+step's share of them, as Triton does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -27,6 +35,19 @@ from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos.errors import DeadlineExceeded, InferGateError, Internal, InvalidArgument
 
 StepInfer = Callable[[InferRequest], Awaitable[InferResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    """One step request of one ensemble request, as it ended. Durations in nanoseconds."""
+
+    step: Step
+    version: str  # the version that ran ("" when it failed before one was chosen)
+    rows: int
+    queue_ns: int
+    compute_ns: int
+    total_ns: int
+    error: str = ""  # the error's class name when the step failed
 
 
 def step_error(plan: EnsemblePlan, step: Step, exc: InferGateError) -> InferGateError:
@@ -53,14 +74,16 @@ class Ensembles:
         self._plans[config.name] = (digest, plan)
         return plan
 
-    async def run(self, plan: EnsemblePlan, request: InferRequest) -> InferResponse:
+    async def run(self, plan: EnsemblePlan, request: InferRequest, runs: list[StepRun] | None = None) -> InferResponse:
+        """The ensemble's response; each step that ends is appended to ``runs``."""
+        runs = [] if runs is None else runs
         loop = asyncio.get_running_loop()
         pool: dict[str, Tensor] = {t.name: t for t in request.inputs}
         for wave in plan.waves:
             if request.deadline is not None and loop.time() >= request.deadline:
                 raise DeadlineExceeded(
                     f"ensemble '{plan.name}' ran past its deadline before {wave[0].describe()}")
-            tasks = [asyncio.ensure_future(self._step(plan, step, request, pool)) for step in wave]
+            tasks = [asyncio.ensure_future(self._step(plan, step, request, pool, runs)) for step in wave]
             try:
                 results = await asyncio.gather(*tasks)
             except BaseException:
@@ -77,7 +100,7 @@ class Ensembles:
         return InferResponse(model=plan.name, version=request.version, id=request.id, outputs=outputs)
 
     async def _step(self, plan: EnsemblePlan, step: Step, request: InferRequest,
-                    pool: dict[str, Tensor]) -> dict[str, Tensor]:
+                    pool: dict[str, Tensor], runs: list[StepRun]) -> dict[str, Tensor]:
         inputs = [Tensor(step_input, pool[tensor].datatype, pool[tensor].shape, pool[tensor].data)
                   for step_input, tensor in step.inputs]
         sub = InferRequest(
@@ -89,10 +112,18 @@ class Ensembles:
             priority=request.priority,
             deadline=request.deadline,
         )
+        started = time.monotonic()
         try:
             response = await self._infer_step(sub)
         except InferGateError as exc:
+            total_ns = int((time.monotonic() - started) * 1e9)
+            runs.append(StepRun(step, sub.version, sub.rows, 0, 0, total_ns, type(exc).__name__))
             raise step_error(plan, step, exc) from None
+        ended = time.monotonic()
+        # The core stamps `dispatched` when the step's batch leaves for a worker (never, on a cache hit).
+        dispatched = min(max(sub.dispatched, started), ended) if sub.dispatched else ended
+        runs.append(StepRun(step, response.version or sub.version, sub.rows, int((dispatched - started) * 1e9),
+                            int((ended - dispatched) * 1e9), int((ended - started) * 1e9)))
         by_name = {t.name: t for t in response.outputs}
         produced: dict[str, Tensor] = {}
         for step_output, tensor in step.outputs:

@@ -16,6 +16,8 @@ loaded) is ready. The gateway is asked to serve:
 - its logical (split) models, unless unloaded;
 
 and it needs at least one reachable worker: with none it can serve nothing.
+The core adds what this view cannot see: an ensemble it is asked to serve
+whose steps are not all servable (``gateway.ensembles.readiness``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
 ``dashboard`` serves the page in ``static/``, which polls the cluster API.
 
 May import: ``serverkit`` (the Prometheus text format), ``gateway.fleet``,
+``gateway.ensembles`` (the record of an ensemble's steps),
 ``gateway.types``, ``protos``; the live gateway is read through the object
 ``app`` hands in. Nothing here is on the request path except the counters
 the core updates.

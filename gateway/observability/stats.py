@@ -4,14 +4,25 @@
 workers, as Triton counts them, so batching shows through the standard
 statistics API: many inferences, few executions. Durations are nanoseconds.
 Only the event loop touches these counters, so no locks.
+
+An ensemble counts as Triton counts one: each request one execution, its
+queue and compute the sums of its steps' (``record_ensemble``). Beyond
+Triton, the gateway keeps each step's share of an ensemble's work (the step
+requests that ensemble made: rows, requests, successes, failures, queue and
+compute); asked for one ensemble's statistics, it lists them after the
+ensemble's own entry, one entry per step in step order, under the step
+model's name and version (``add_step_entries``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tritonclient.grpc import service_pb2
+
+from gateway.ensembles.runner import StepRun
 
 
 @dataclass(slots=True)
@@ -44,6 +55,8 @@ class GatewayStats:
 
     def __init__(self) -> None:
         self._models: dict[tuple[str, str], ModelCounters] = {}
+        # (ensemble, version) -> step index -> that step's share of the ensemble's work.
+        self._steps: dict[tuple[str, str], dict[int, ModelCounters]] = {}
 
     def model(self, name: str, version: str) -> ModelCounters:
         key = (name, version)
@@ -78,6 +91,45 @@ class GatewayStats:
         c.compute.add(compute_ns * requests, requests)
         c.batches.setdefault(batch_rows, _Duration()).add(compute_ns)
 
+    def record_ensemble(self, name: str, version: str, rows: int, runs: Sequence[StepRun]) -> int:
+        """An ensemble request's steps (and, when all ran, its execution); returns its queue time (ns)."""
+        shares = self._steps.setdefault((name, version), {})
+        for run in runs:
+            share = shares.get(run.step.index)
+            if share is None:
+                share = shares[run.step.index] = ModelCounters(run.step.model, run.version or run.step.version)
+            share.version = run.version or share.version
+            if run.error:
+                share.fail.add(run.total_ns)
+                continue
+            share.inference_count += run.rows
+            share.execution_count += 1
+            share.success.add(run.total_ns)
+            share.queue.add(run.queue_ns)
+            share.compute.add(run.compute_ns)
+            share.last_inference_ms = int(time.time() * 1000)
+        if any(run.error for run in runs):
+            return 0
+        # As Triton does for an ensemble: one execution, compute the sum of its steps'.
+        self.record_execution(name, version, rows, sum(run.compute_ns for run in runs))
+        return sum(run.queue_ns for run in runs)
+
+    def add_step_entries(self, response: service_pb2.ModelStatisticsResponse,
+                         steps: Sequence[tuple[int, str, str]]) -> None:
+        """After the entry of each ensemble version in ``response``, its steps' shares.
+
+        ``steps``: (index, model, version) of the ensemble's steps in order; a
+        step with no share yet shows zeros under its configured version.
+        """
+        entries = list(response.model_stats)
+        del response.model_stats[:]
+        for entry in entries:
+            response.model_stats.add().CopyFrom(entry)
+            shares = self._steps.get((entry.name, entry.version), {})
+            for index, model, version in steps:
+                share = shares.get(index) or ModelCounters(model, version)
+                _fill(response.model_stats.add(), share)
+
     def snapshot(self) -> list[ModelCounters]:
         return list(self._models.values())
 
@@ -97,22 +149,21 @@ class GatewayStats:
             if version and model_version not in (version, ""):
                 continue
             c = self._models.get((model_name, model_version)) or ModelCounters(model_name, model_version)
-            s = response.model_stats.add(
-                name=model_name,
-                version=model_version,
-                last_inference=c.last_inference_ms,
-                inference_count=c.inference_count,
-                execution_count=c.execution_count,
-            )
-            st = s.inference_stats
-            st.success.count, st.success.ns = c.success.count, c.success.ns
-            st.fail.count, st.fail.ns = c.fail.count, c.fail.ns
-            st.queue.count, st.queue.ns = c.queue.count, c.queue.ns
-            # The gateway's compute is the round trip to the worker; it has no
-            # separate input/output copy phases of its own.
-            st.compute_infer.count, st.compute_infer.ns = c.compute.count, c.compute.ns
-            for size in sorted(c.batches):
-                d = c.batches[size]
-                b = s.batch_stats.add(batch_size=size)
-                b.compute_infer.count, b.compute_infer.ns = d.count, d.ns
+            _fill(response.model_stats.add(), c)
         return response
+
+
+def _fill(s: service_pb2.ModelStatistics, c: ModelCounters) -> None:
+    s.name, s.version = c.name, c.version
+    s.last_inference, s.inference_count, s.execution_count = c.last_inference_ms, c.inference_count, c.execution_count
+    st = s.inference_stats
+    st.success.count, st.success.ns = c.success.count, c.success.ns
+    st.fail.count, st.fail.ns = c.fail.count, c.fail.ns
+    st.queue.count, st.queue.ns = c.queue.count, c.queue.ns
+    # The gateway's compute is the round trip to the worker; it has no
+    # separate input/output copy phases of its own.
+    st.compute_infer.count, st.compute_infer.ns = c.compute.count, c.compute.ns
+    for size in sorted(c.batches):
+        d = c.batches[size]
+        b = s.batch_stats.add(batch_size=size)
+        b.compute_infer.count, b.compute_infer.ns = d.count, d.ns

@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 import tritonclient.http as httpclient
+from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from tests.harness import Proc, start, start_worker, worker_url
@@ -114,6 +115,50 @@ def test_metadata_config_and_readiness_are_the_ensembles(cluster: dict[str, Proc
         assert [s.model_name for s in config.ensemble_scheduling.step] == ["preprocess", "cnn", "postprocess"]
 
 
+def _stats(client, module) -> list[dict]:
+    """The statistics of ``classify`` as plain dicts (HTTP answers JSON, gRPC a protobuf)."""
+    got = client.get_inference_statistics("classify")
+    if module is httpclient:
+        return got["model_stats"]
+    return [json_format.MessageToDict(s, preserving_proto_field_name=True) for s in got.model_stats]
+
+
+def _count(entry: dict, *path: str) -> int:
+    for key in path:
+        entry = entry.get(key, {})
+    return int(entry or 0)
+
+
+def test_statistics_fill_the_ensemble_and_break_it_down_by_step(cluster: dict[str, Proc]) -> None:
+    """Triton's shape for the ensemble's own entry; after it, each step's share of the work."""
+    gw = cluster["gateway"]
+    paths = [("inference_count",), ("execution_count",), ("inference_stats", "success", "count"),
+             ("inference_stats", "queue", "count"), ("inference_stats", "compute_infer", "count"),
+             ("inference_stats", "compute_infer", "ns")]
+    for module, url in ((grpcclient, f"127.0.0.1:{gw.ready['grpc_port']}"),
+                        (httpclient, f"127.0.0.1:{gw.ready['http_port']}")):
+        client = module.InferenceServerClient(url)
+        try:
+            before = _stats(client, module)
+            for rows in (1, 2):
+                client.infer("classify", [_input(module, _images(20 + rows, rows))])
+            after = _stats(client, module)
+        finally:
+            client.close()
+        assert [(s["name"], s.get("version")) for s in after] == [
+            ("classify", "1"), ("preprocess", "1"), ("cnn", "1"), ("postprocess", "1")]
+        assert len(before) == len(after)
+        for old, new in zip(before, after):
+            rows, requests, success, queue, computed, compute_ns = (_count(new, *p) - _count(old, *p) for p in paths)
+            assert (rows, requests, success, queue, computed) == (3, 2, 2, 2, 2), (module.__name__, new)
+            assert compute_ns > 0
+        ensemble = after[0]
+        steps_compute = sum(_count(s, "inference_stats", "compute_infer", "ns") for s in after[1:])
+        # As in Triton, the ensemble's compute is its steps' compute.
+        assert _count(ensemble, "inference_stats", "compute_infer", "ns") == steps_compute
+        assert {int(b["batch_size"]) for b in ensemble["batch_stats"]} >= {1, 2}
+
+
 def test_a_worker_refuses_to_run_an_ensemble(cluster: dict[str, Proc]) -> None:
     with grpcclient.InferenceServerClient(worker_url(cluster["a"])) as client:
         with pytest.raises(InferenceServerException, match="is run by the gateway") as info:
@@ -129,6 +174,41 @@ def test_bad_input_is_the_ensembles_error(cluster: dict[str, Proc]) -> None:
         with pytest.raises(InferenceServerException, match="classify") as info:
             client.infer("classify", [wrong])
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_strict_readiness_waits_for_every_step_of_an_ensemble(model_repo: Path, tmp_path: Path) -> None:
+    """A strict gateway (the default) before an explicit-mode worker: loading ``classify`` without its
+    ``cnn`` step asks it to serve an ensemble it cannot run, so it is not ready until ``cnn`` loads."""
+    for name in ("preprocess", "cnn", "postprocess", "classify"):
+        shutil.copytree(model_repo / name, tmp_path / name)
+    worker = start_worker(tmp_path, "--model-control-mode", "explicit")
+    gateway = None
+    try:
+        gateway = start(["gateway", "--worker", worker_url(worker), "--http-port", "0", "--grpc-port", "0",
+                         "--strict-readiness", "true"])
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['http_port']}")
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}")
+        try:
+            def ready() -> tuple[bool, bool]:
+                return http.is_server_ready(), grpc.is_server_ready()
+
+            assert ready() == (True, True)  # asked to serve nothing yet
+            for name in ("preprocess", "postprocess", "classify"):
+                grpc.load_model(name)  # a load answers once the gateway's view has the model
+            assert ready() == (False, False)
+            assert not grpc.is_model_ready("classify")
+            http.load_model("cnn")
+            assert ready() == (True, True)
+            assert grpc.is_model_ready("classify")
+            grpc.unload_model("cnn")  # no longer asked for, but the ensemble still needs it
+            assert ready() == (False, False)
+        finally:
+            http.close()
+            grpc.close()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.stop()
 
 
 def test_a_lost_step_makes_it_unready_and_its_error_names_the_step(cluster: dict[str, Proc]) -> None:

@@ -1,6 +1,7 @@
 """The response cache through real processes: a worker serving ``cached`` (the
 example ``simple`` with ``response_cache { enable: true }``) and ``simple``
-(without), and a gateway started with ``--cache-size``.
+(without), and a gateway started with ``--cache-size``; and the ``classify``
+ensemble with the cache enabled, cached as a whole.
 
 A hit must never reach the worker: the worker's own statistics (read from it
 directly) keep their execution count while the gateway's cache-hit counters
@@ -23,6 +24,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Proc, start, start_worker, worker_url
+from tests.integration.gateway.test_ensembles import by_hand
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,3 +145,41 @@ def test_a_model_without_response_cache_is_not_cached(cluster: tuple[Proc, Proc]
         client.infer("simple", _inputs(grpcclient, values))
     assert _worker_counts(worker, "simple")[0] == executions + 1
     assert _gateway_cache(gateway, "simple") == (0, 0)
+
+
+def test_an_ensemble_with_the_cache_enabled_is_answered_from_it(model_repo: Path, tmp_path: Path) -> None:
+    """`classify` with ``response_cache { enable: true }``: a repeated request is answered by the gateway's
+    cache as a whole (no step runs again), over gRPC and HTTP, and equals the steps run by hand."""
+    for name in ("preprocess", "cnn", "postprocess", "classify"):
+        shutil.copytree(model_repo / name, tmp_path / name)
+    with open(tmp_path / "classify" / "config.pbtxt", "a") as config:
+        config.write("response_cache { enable: true }\n")
+    worker = start_worker(tmp_path)
+    gateway = None
+    try:
+        gateway = start(["gateway", "--worker", worker_url(worker), "--http-port", "0", "--grpc-port", "0",
+                         "--cache-size", str(1 << 20)])
+        images = np.random.default_rng(7).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+        want_scores, want_classes = by_hand(model_repo, images)
+        for module, port in ((grpcclient, "grpc_port"), (httpclient, "http_port")):
+            client = module.InferenceServerClient(f"127.0.0.1:{gateway.ready[port]}")
+            try:
+                for _ in range(2):
+                    image = module.InferInput("IMAGE", list(images.shape), "UINT8")
+                    image.set_data_from_numpy(images)
+                    result = client.infer("classify", [image])
+                    np.testing.assert_allclose(result.as_numpy("SCORES"), want_scores, rtol=1e-5, atol=1e-6)
+                    np.testing.assert_array_equal(result.as_numpy("CLASSES"), want_classes)
+            finally:
+                client.close()
+        # One miss ran the steps; the three later requests were hits that reached no worker.
+        assert _gateway_cache(gateway, "classify") == (3, 1)
+        assert _worker_counts(worker, "cnn") == (1, 2)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}") as client:
+            stats = client.get_inference_statistics("classify").model_stats
+        assert (stats[0].inference_count, stats[0].execution_count, stats[0].inference_stats.success.count) == (2, 1, 4)
+        assert [(s.name, s.inference_count) for s in stats[1:]] == [("preprocess", 2), ("cnn", 2), ("postprocess", 2)]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.stop()

@@ -156,11 +156,13 @@ def test_tritons_sequence_examples(cluster: Cluster) -> None:
                         for i, v in enumerate([100] + [-v for v in VALUES])]
                 assert seq0 == expected_simple(0, VALUES, dyna, 1000)
                 assert seq1 == expected_simple(100, [-v for v in VALUES], dyna, 1001)
-                if not dyna:  # a string sequence id (a UUID), as the examples send to simple_sequence
-                    sid = str(uuid.uuid4())
-                    got = [send(client, module, model, sid, v, i == 0, i == len(VALUES))
-                           for i, v in enumerate([20] + [-v for v in VALUES])]
-                    assert got == expected_simple(20, [-v for v in VALUES], False, 0)
+                # A string sequence id, as the examples send: a UUID to simple_sequence; to the dyna
+                # model, its string twin, with an id that reads as an integer (added at END).
+                sid = "1002" if dyna else str(uuid.uuid4())
+                string_model = "simple_string_dyna_sequence" if dyna else model
+                got = [send(client, module, string_model, sid, v, i == 0, i == len(VALUES))
+                       for i, v in enumerate([20] + [-v for v in VALUES])]
+                assert got == expected_simple(20, [-v for v in VALUES], dyna, 1002)
 
 
 def test_tritons_streaming_and_asyncio_sequence_examples(cluster: Cluster) -> None:

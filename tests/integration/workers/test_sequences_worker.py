@@ -116,3 +116,14 @@ def test_an_idle_sequence_is_released(worker: Proc) -> None:
         # Idle longer than 1 µs by the time the next request arrives: released.
         with pytest.raises(InferenceServerException, match="sequence 1 to model 'forgetful' must specify the START flag"):
             _send(client, "forgetful", 1, 3)
+
+
+def test_initial_state_from_a_data_file(worker: Proc) -> None:
+    """`accumulate_seeded` starts each sequence from its initial_state/ file (100), not zeros; a START restarts it."""
+    with grpcclient.InferenceServerClient(worker_url(worker)) as client:
+        assert _send(client, "accumulate_seeded", 1, 5, start=True) == 105
+        assert _send(client, "accumulate", 1, 5, start=True) == 5  # zero_data, beside it
+        assert _send(client, "accumulate_seeded", 2, 1, start=True) == 101
+        assert _send(client, "accumulate_seeded", 1, 2) == 107
+        assert _send(client, "accumulate_seeded", 1, 3, start=True) == 103
+        assert _send(client, "accumulate_seeded", 2, 1, end=True) == 102

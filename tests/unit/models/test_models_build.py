@@ -19,7 +19,9 @@ STRING_NAMES = ["identity_string", "string_to_int"]
 CLASSIFY_STEPS = ["preprocess", "postprocess"]
 ONNX_NAMES = NUMERIC_NAMES + STRING_NAMES + CLASSIFY_STEPS
 ENSEMBLE_NAMES = ["classify"]  # config only; see test_classify_models.py
-SEQUENCE_NAMES = ["simple_sequence", "simple_dyna_sequence", "accumulate"]  # see test_sequence_models.py
+SEQUENCE_NAMES = [
+    "simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate", "accumulate_seeded",
+]  # see test_sequence_models.py
 EXPECTED_NAMES = ONNX_NAMES + ENSEMBLE_NAMES + SEQUENCE_NAMES
 
 # name -> (max_batch_size, dynamic_batching, inputs, outputs); tensors as (name, type, dims).
@@ -80,7 +82,7 @@ def test_build_is_deterministic(repo: Path, tmp_path: Path) -> None:
     first = sorted(p.relative_to(repo) for p in repo.rglob("*") if p.is_file())
     second = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert first == second
-    assert len(first) == 2 * len(ONNX_NAMES) + len(ENSEMBLE_NAMES) + 2 * len(SEQUENCE_NAMES)
+    assert len(first) == 2 * len(ONNX_NAMES) + len(ENSEMBLE_NAMES) + 2 * len(SEQUENCE_NAMES) + 1  # + seed.bin
     for rel in first:
         assert (repo / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
 
