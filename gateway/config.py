@@ -310,6 +310,8 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             worker_dns.extend(str(n) for n in value)
         elif key in _SCALARS:
             values[key] = _coerce(key, value)
+        elif key == "trace_config":  # Triton's --trace-config flags, after the file's entries
+            extra["trace_config"] = [*(extra.get("trace_config") or []), *value]
         else:
             raise ConfigError(f"unknown config key {key!r}")
 
