@@ -194,3 +194,22 @@ def test_triton_mode_writes_trace_files_per_model_override(tmp_path: Path) -> No
     ns = [t["ns"] for t in stamps["timestamps"]]
     assert ns == sorted(ns)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json.0"]  # nothing else was traced
+
+
+def test_up_hands_the_exporter_to_its_workers(receiver: OtlpReceiver) -> None:
+    proc = start(["up", "--workers", "1", "--model-repository", str(MODELS), "--http-port", "0", "--grpc-port", "0",
+                  *_otel_flags(receiver.url), "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1"],
+                 env=FAST_EXPORT)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.ready['grpc_port']}")
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        # Over gRPC the client's traceparent rides in the call's metadata.
+        client.infer("simple", _inputs(grpcclient), headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        spans = receiver.wait_for(lambda ss: any(s.name.startswith("compute") and s.trace_id == trace_id for s in ss),
+                                  "the worker's compute span")
+        root = next(s for s in spans if s.name == "GRPC infer simple" and s.trace_id == trace_id)
+        assert root.parent_span_id == "00f067aa0ba902b7"
+        _chain(spans, root)
+    finally:
+        client.close()
+        proc.stop()
