@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Mapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +32,13 @@ log = logging.getLogger(__name__)
 LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 MODES = ("triton", "opentelemetry")
 DEFAULT_URL = "http://localhost:4318/v1/traces"
+# At shutdown: how long to try sending the buffered spans (an unreachable
+# collector must not hold a stopping server for the exporter's retries).
+FLUSH_TIMEOUT_S = 2.0
 
 # The process's tracer once install() ran in opentelemetry mode; None otherwise.
 tracer: trace.Tracer | None = None
-_provider: Any = None
+_processor: Any = None
 _propagator = TraceContextTextMapPropagator()
 
 
@@ -130,7 +134,7 @@ def install(service_name: str, config: TraceConfig, *, parent_based: bool = Fals
     ``parent_based``: record a span only under a sampled parent (a worker);
     otherwise every span started is recorded (the gateway samples by its settings).
     """
-    global tracer, _provider
+    global tracer, _processor
     if config.mode != "opentelemetry":
         return
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -141,21 +145,29 @@ def install(service_name: str, config: TraceConfig, *, parent_based: bool = Fals
 
     resource = Resource.create({"service.name": service_name, **config.resource})
     sampler = ParentBased(ALWAYS_OFF) if parent_based else ALWAYS_ON
-    provider = TracerProvider(resource=resource, sampler=sampler)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.url),
-                                                   schedule_delay_millis=config.bsp_schedule_delay_ms))
-    _provider = provider
+    # No exit hook of its own: shutdown() flushes within a bound (the SDK's hook waits up to 30 s).
+    provider = TracerProvider(resource=resource, sampler=sampler, shutdown_on_exit=False)
+    _processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=config.url), schedule_delay_millis=config.bsp_schedule_delay_ms)
+    provider.add_span_processor(_processor)
     tracer = provider.get_tracer("infergate")
     log.info("tracing: OpenTelemetry spans of %s go to %s", service_name, config.url)
 
 
 def shutdown() -> None:
-    """Send the spans still buffered and stop the exporter."""
-    global tracer, _provider
-    if _provider is not None:
-        _provider.force_flush()
-        _provider.shutdown()
-    tracer, _provider = None, None
+    """Send the spans still buffered and stop the exporter, each within its bound."""
+    global tracer, _processor
+    processor, tracer, _processor = _processor, None, None
+    if processor is None:
+        return
+    # The SDK's flush exports in the calling thread for as long as the exporter
+    # retries (about 10 s) whatever its timeout says: bound it from outside.
+    flush = threading.Thread(target=processor.force_flush, name="trace-flush", daemon=True)
+    flush.start()
+    flush.join(FLUSH_TIMEOUT_S)
+    if flush.is_alive():  # both threads are daemons: they end with the process
+        log.warning("tracing: spans not sent within %.0f s are dropped (is the collector reachable?)", FLUSH_TIMEOUT_S)
+    else:
+        processor.shutdown()
 
 
 def inject(metadata: MutableSequence[tuple[str, str]]) -> None:
