@@ -53,6 +53,21 @@ def _wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)  # polling a condition (a file the gateway writes), not standing in for readiness
 
 
+def _whole_trace(receiver: OtlpReceiver, root_name: str, trace_id: str | None = None) -> tuple[list[ReceivedSpan], ReceivedSpan]:
+    """Wait until a trace rooted at ``root_name`` holds all its spans (they come from two processes, in any order)."""
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        for root in (s for s in spans if s.name == root_name and trace_id in (None, s.trace_id)):
+            roles = {s.name.split(" ")[0] for s in spans if s.trace_id == root.trace_id}
+            if {"queue", "batch", "worker", "compute"} <= roles:
+                return True
+        return False
+
+    spans = receiver.wait_for(complete, f"the whole trace under {root_name!r}")
+    root = next(s for s in spans if s.name == root_name and trace_id in (None, s.trace_id) and complete(
+        [x for x in spans if x.trace_id == s.trace_id]))
+    return spans, root
+
+
 def _chain(spans: list[ReceivedSpan], root: ReceivedSpan) -> dict[str, ReceivedSpan]:
     """The trace under ``root``, by role; asserts each parent link on the way."""
     mine = [s for s in spans if s.trace_id == root.trace_id]
@@ -95,17 +110,12 @@ def test_one_trace_spans_frontend_queue_batch_worker_call_and_compute(
         assert "trace" in http.get_server_metadata()["extensions"]
         # The client's own trace context is honoured as the parent of the gateway's root span.
         http.infer("simple", _inputs(httpclient), headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
-        spans = receiver.wait_for(lambda ss: any(s.name.startswith("compute") and s.trace_id == CLIENT_TRACE for s in ss),
-                                  "the HTTP request's trace")
-        root = next(s for s in spans if s.name == "HTTP infer simple")
+        spans, root = _whole_trace(receiver, "HTTP infer simple", CLIENT_TRACE)
         assert (root.trace_id, root.parent_span_id) == (CLIENT_TRACE, CLIENT_SPAN)
         _chain(spans, root)
 
         grpc_client.infer("simple", _inputs(grpcclient))
-        spans = receiver.wait_for(
-            lambda ss: any(s.name == "GRPC infer simple" for s in ss)
-            and any(s.name.startswith("compute") and s.trace_id != CLIENT_TRACE for s in ss), "the gRPC request's trace")
-        root = next(s for s in spans if s.name == "GRPC infer simple")
+        spans, root = _whole_trace(receiver, "GRPC infer simple")
         assert root.parent_span_id == ""
         _chain(spans, root)
     finally:
@@ -205,9 +215,7 @@ def test_up_hands_the_exporter_to_its_workers(receiver: OtlpReceiver) -> None:
     try:
         # Over gRPC the client's traceparent rides in the call's metadata.
         client.infer("simple", _inputs(grpcclient), headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
-        spans = receiver.wait_for(lambda ss: any(s.name.startswith("compute") and s.trace_id == trace_id for s in ss),
-                                  "the worker's compute span")
-        root = next(s for s in spans if s.name == "GRPC infer simple" and s.trace_id == trace_id)
+        spans, root = _whole_trace(receiver, "GRPC infer simple", trace_id)
         assert root.parent_span_id == "00f067aa0ba902b7"
         _chain(spans, root)
     finally:
