@@ -188,7 +188,7 @@ class GatewayConfig:
     # model name -> settings: batching overrides (BatchPolicy keys) and, for
     # logical models, parallel layouts (from, tensor_parallel, ...).
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Everything else in the file, kept for the parts that read their own section.
+    # Everything else in the file (e.g. trace_config: observability/trace_settings.py), for the parts that read it.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def outlier_settings(self) -> OutlierSettings:
