@@ -10,7 +10,8 @@ traces; 0 at shutdown), ``trace_file`` and ``trace_mode`` (both fixed at
 start with ``--trace-config``; Triton refuses ``trace_file`` over the network
 and so do we). A model's update overrides the named settings for that model
 only; a null value (gRPC: no values) clears the override and the model
-follows the global setting again. Updating the global settings rebuilds
+follows the global setting again (a cleared global setting returns to its
+start-up value). Updating the global settings rebuilds
 every model's sampling state from its overrides and the new globals.
 
 Values are validated before any is applied; the messages are Triton's.
@@ -119,6 +120,7 @@ class TraceSettings:
         self._known_model = known_model
         self._global: dict[str, Any] = {"trace_level": tuple(config.level), "trace_rate": config.rate,
                                         "trace_count": config.count, "log_frequency": config.log_frequency}
+        self._startup = dict(self._global)  # what clearing a global setting returns to, as in Triton
         self._overrides: dict[str, dict[str, Any]] = {}
         self._global_sampler = self._sampler({})
         self._samplers: dict[str, Sampler] = {}
@@ -191,9 +193,8 @@ class TraceSettings:
                 del self._overrides[model]
                 self._samplers.pop(model, None)
         elif parsed:
-            defaults = TraceSettings(TraceConfig())._global
             for key, value in parsed.items():
-                self._global[key] = defaults[key] if value is None else value
+                self._global[key] = self._startup[key] if value is None else value
             self._global_sampler = self._sampler({})
             self._samplers = {m: self._sampler(o) for m, o in self._overrides.items()}
         self.active = self._global_sampler.on or any(s.on for s in self._samplers.values())

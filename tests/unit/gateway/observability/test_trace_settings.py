@@ -36,6 +36,8 @@ def test_rate_takes_one_in_n_and_count_runs_down() -> None:
     assert settings.current()["trace_count"] == "0"
     settings.update("", {"trace_count": ["-1"]})  # unlimited again
     assert len(_taken(settings, "simple", 9)) == 3
+    settings.update("", {"trace_rate": None, "trace_count": None})  # back to the start-up values
+    assert (settings.current()["trace_rate"], settings.current()["trace_count"]) == ("3", "2")
 
 
 def test_a_models_override_is_its_own_and_null_falls_back_to_global() -> None:
