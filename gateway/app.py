@@ -35,7 +35,9 @@ from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.observability.cluster_api import add_cluster_routes
 from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
+from gateway.observability.trace_settings import trace_config
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
+from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
 from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
 
@@ -94,15 +96,19 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-size", type=int, default=None, metavar="BYTES",
                         help="response cache size in bytes (default 0, off); models with "
                              "`response_cache { enable: true }` in their config.pbtxt are answered from it")
+    parser.add_argument("--trace-config", action="append", default=None, metavar="[MODE,]SETTING=VALUE",
+                        help="Triton's trace settings (repeatable): level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, "
+                             "mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, "
+                             "opentelemetry,url=http://HOST:4318/v1/traces (see README: tracing)")
 
 
 def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode,
-            "cache_size": args.cache_size}
+            "cache_size": args.cache_size, "trace_config": args.trace_config}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return load_config(
+    config = load_config(
         args.config,
         host=args.host,
         http_port=args.http_port,
@@ -115,6 +121,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         **triton_overrides(args),
         **security_overrides(args),
     )
+    trace_config(config)  # a bad --trace-config entry stops here, with its reason
+    return config
 
 
 @dataclass
@@ -141,6 +149,9 @@ class RunningGateway:
         await self.grpc_server.stop(min(grace_s, _ANSWER_FLUSH_S))
         await grpc_stop
         await self.http_runner.cleanup()
+        # The last traces: the trace file's remainder, the spans still buffered for the exporter.
+        self.gateway.tracing.close()
+        await asyncio.to_thread(tracing.shutdown)
 
 
 async def start_gateway(
@@ -150,6 +161,8 @@ async def start_gateway(
     # Keys and certificates are read before anything starts: a bad file stops here.
     security = GatewaySecurity.from_config(config)
     gateway = gateway or Gateway(config)
+    # trace_mode opentelemetry: this process's spans go to the configured OTLP endpoint.
+    tracing.install("infergate-gateway", trace_config(config))
     await gateway.start()
 
     # The decoding guard goes first, so it wraps the others: they never see a malformed message.
@@ -163,7 +176,7 @@ async def start_gateway(
     ])
     # One registry of client shared-memory regions and one set of log settings for both frontends, as in Triton.
     shm, logs = SharedMemoryRegistry(), LogSettings()
-    frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs)
+    frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs, tracing=gateway.tracing)
     # Workers started with --gateway register here (protos/cluster.proto).
     add_registry_service(grpc_server, gateway.fleet.registry)
     grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
@@ -171,7 +184,8 @@ async def start_gateway(
         raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
     await grpc_server.start()
 
-    app = create_http_app(gateway, max_request_bytes=config.max_request_bytes, shm=shm, logs=logs)
+    app = create_http_app(gateway, max_request_bytes=config.max_request_bytes, shm=shm, logs=logs,
+                          tracing=gateway.tracing)
     security.install_http(app)
     # Observability routes join the REST app before setup freezes it.
     add_metrics_routes(app, gateway)

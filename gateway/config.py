@@ -188,7 +188,7 @@ class GatewayConfig:
     # model name -> settings: batching overrides (BatchPolicy keys) and, for
     # logical models, parallel layouts (from, tensor_parallel, ...).
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Everything else in the file, kept for the parts that read their own section.
+    # Everything else in the file (e.g. trace_config: observability/trace_settings.py), for the parts that read it.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def outlier_settings(self) -> OutlierSettings:
@@ -310,6 +310,8 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             worker_dns.extend(str(n) for n in value)
         elif key in _SCALARS:
             values[key] = _coerce(key, value)
+        elif key == "trace_config":  # Triton's --trace-config flags, after the file's entries
+            extra["trace_config"] = [*(extra.get("trace_config") or []), *value]
         else:
             raise ConfigError(f"unknown config key {key!r}")
 

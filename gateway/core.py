@@ -32,6 +32,8 @@ from gateway.frontends.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats
+from gateway.observability.trace_settings import TraceSettings, trace_config
+from gateway.observability.tracing import RequestTracing
 from gateway.parallel.serving import ParallelModels
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = [
     "model_repository", "model_repository(unload_dependents)", "schedule_policy", "model_configuration", "statistics",
-    "binary_tensor_data", "parameters", "system_shared_memory", "logging", "classification",
+    "binary_tensor_data", "parameters", "system_shared_memory", "logging", "classification", "trace",
 ]
 
 
@@ -103,6 +105,8 @@ class Gateway:
         self.latency = LatencyHistograms()
         # Label files of the classification extension, read from the repository the gateway knows.
         self.labels = LabelFiles(config.model_repository)
+        # Triton's trace extension: the settings the frontends serve, and the traces they and _run_batch take.
+        self.tracing = RequestTracing(TraceSettings(trace_config(config), known_model=self.model_ready))
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self._accepting = False
         self._shutting_down = False
@@ -306,10 +310,11 @@ class Gateway:
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
         try:
-            if self.parallel.serves(name):
-                response = await self.parallel.infer(name, version, pb, deadline)
-            else:
-                response = await self.router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
+            with self.tracing.batch(batch, name):
+                if self.parallel.serves(name):
+                    response = await self.parallel.infer(name, version, pb, deadline)
+                else:
+                    response = await self.router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
         except (InvalidArgument, Internal):
             if len(batch) == 1:
                 raise

@@ -58,6 +58,8 @@ class InferRequest:
     arrival: float = 0.0
     rows: int = 1
     dispatched: float = 0.0
+    # The request's trace while it is traced (gateway.observability.tracing); None otherwise.
+    trace: Any = None
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gateway.app import add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
+from gateway.observability.trace_settings import trace_config
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
@@ -203,6 +204,8 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         token_file = local_worker_token(workdir, config)
         worker_args += ["--auth-token-file", str(token_file)]
         config = replace(config, worker_token_file=str(token_file))
+    # Workers export their spans to the gateway's OpenTelemetry endpoint.
+    worker_args += [f"--trace-config={entry}" for entry in trace_config(config).worker_entries()]
     workers = [LocalWorker(i, args.model_repository, worker_args, workdir) for i in range(args.workers)]
     supervisors: set[asyncio.Task[None]] = set()
     running = None

@@ -1,8 +1,10 @@
 """What every infergate server process shares, so the gateway and the worker
 never import each other: the Prometheus text format (``prometheus``), the
 process plumbing of a long-running server (``process``: logging set-up, the
-event loop policy, atomic ready files) and the gRPC server settings that let
-a server take a burst of calls (``grpc_server``).
+event loop policy, atomic ready files), the gRPC server settings that let
+a server take a burst of calls (``grpc_server``) and tracing (``tracing``:
+Triton's ``--trace-config``, the OpenTelemetry exporter, ``traceparent``
+propagation).
 
 May import: the standard library and third-party packages only.
 """

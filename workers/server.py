@@ -41,7 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from protos.errors import InferGateError
-from serverkit import process
+from serverkit import process, tracing
 from serverkit.grpc_server import BURST_OPTIONS
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
@@ -99,14 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ready-file", type=Path, help="write {grpc_port, metrics_port, pid} as JSON here once serving")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+                        help="Triton's trace flags; with mode=opentelemetry and opentelemetry,url=URL the worker "
+                             "exports a compute span for each call that carries a sampled traceparent")
     add_access_arguments(parser)
     add_registration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     process.setup_logging(args.log_level)
+    try:
+        trace_config = tracing.TraceConfig.parse(args.trace_config)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     process.install_event_loop_policy()
-    return asyncio.run(serve(args))
+    # Spans only under a sampled caller's context: the gateway decides what is traced.
+    tracing.install("infergate-worker", trace_config, parent_based=True)
+    try:
+        return asyncio.run(serve(args))
+    finally:
+        tracing.shutdown()
 
 
 def _backend_options(args: argparse.Namespace) -> BackendOptions:

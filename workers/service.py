@@ -24,6 +24,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
+from serverkit import tracing
 from workers.backends.run_errors import clean_message
 from workers.manager import ModelManager
 
@@ -166,7 +167,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
         # No await between the lookup and infer() counting itself in flight: see workers.model.
-        return await self.manager.get(request.model_name, request.model_version).infer(request)
+        if tracing.tracer is None:  # tracing off: this one check
+            return await self.manager.get(request.model_name, request.model_version).infer(request)
+        # The compute span, a child of the caller's span when its traceparent says so.
+        with tracing.server_span(f"compute {request.model_name}", context.invocation_metadata() or (),
+                                 {"infergate.model": request.model_name, "infergate.model_version": request.model_version}):
+            return await self.manager.get(request.model_name, request.model_version).infer(request)
 
     async def ModelStreamInfer(
         self,

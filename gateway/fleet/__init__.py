@@ -10,8 +10,8 @@ worker; membership sources are the static list (``membership``), DNS
 ``readiness`` says what the gateway is asked to serve and cannot (strict
 readiness); ``manager`` starts and stops these parts in order.
 
-May import: ``gateway.config``, ``gateway.types``, ``protos``, tritonclient's
-stubs; ``drain`` also serves its HTTP endpoints with the frontends' error
+May import: ``gateway.config``, ``gateway.types``, ``protos``, ``serverkit``
+(the worker client's trace propagation), tritonclient's stubs; ``drain`` also serves its HTTP endpoints with the frontends' error
 responses. Nothing here handles an inference request; the router reads the
 cluster's view.
 """

@@ -31,6 +31,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from protos import collective_pb2
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
+from serverkit import tracing
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +172,11 @@ class WorkerClient:
         return channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
 
     async def _call(
-        self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None, lane: str = _CONTROL
+        self, method: Callable[..., Awaitable[_Resp]], request: object, timeout_s: float | None, lane: str = _CONTROL,
+        metadata: grpc.aio.Metadata | None = None,
     ) -> _Resp:
         try:
-            return await method(request, timeout=timeout_s, metadata=self._call_metadata)
+            return await method(request, timeout=timeout_s, metadata=metadata or self._call_metadata)
         except grpc.aio.AioRpcError as e:
             raise self._map_error(e, lane) from None
         except grpc.aio.UsageError as e:
@@ -231,7 +233,12 @@ class WorkerClient:
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
-        return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
+        if tracing.tracer is None:  # tracing off: this one check
+            return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
+        # Under a traced batch: a span for this call, and its traceparent to the worker (W3C trace context).
+        with tracing.client_span(f"worker call {request.model_name}", {"infergate.worker": self.address}) as extra:
+            metadata = grpc.aio.Metadata(*self._metadata, *extra) if extra else None
+            return await self._call(self._service().ModelInfer, request, timeout_s, _DATA, metadata)
 
     # ---- collective groups (infergate workers only) ---------------------------
 

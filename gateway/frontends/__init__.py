@@ -8,7 +8,9 @@ message guard ``grpc_guard``) decode a wire request into one
 ``gateway.types.InferRequest`` and encode the answer back; ``validation``
 checks a decoded request against the model's metadata.
 
-May import: ``gateway.types``, ``gateway.limits``, ``protos``. Frontends talk
+May import: ``gateway.types``, ``gateway.limits``, ``protos``, and
+``gateway.observability``'s tracing (the trace settings they serve, the
+trace they open around each inference). Frontends talk
 to the core only through the ``InferenceCore`` protocol in ``gateway.types``,
 never by importing ``gateway.core``.
 """

@@ -28,9 +28,10 @@ from gateway.frontends.grpc_wire import (
     param_value,
 )
 from gateway.frontends.log_settings import LogSettings
+from gateway.observability.tracing import RequestTracing
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from gateway.types import InferenceCore, InferRequest
-from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
+from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
 
 _log = logging.getLogger(__name__)
 
@@ -94,14 +95,6 @@ def _unary_edge(
     return handler
 
 
-def _unsupported(message: str) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    @_unary_edge
-    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise Unsupported(message)
-
-    return handler
-
-
 def _stream_error(pb: service_pb2.ModelInferRequest, err: InferGateError) -> service_pb2.ModelStreamInferResponse:
     # The id rides along so raw-stub clients can match the error to its request.
     echo = service_pb2.ModelInferResponse(model_name=pb.model_name, model_version=pb.model_version, id=pb.id)
@@ -128,11 +121,13 @@ def _setting_value(value: Any) -> Any:
 
 class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(
-        self, core: InferenceCore, *, max_stream_inflight: int, shm: SharedMemoryRegistry, logs: LogSettings
+        self, core: InferenceCore, *, max_stream_inflight: int, shm: SharedMemoryRegistry, logs: LogSettings,
+        tracing: RequestTracing,
     ) -> None:
         self._core = core
         self._shm = shm
         self._logs = logs
+        self._tracing = tracing
         self._max_stream_inflight = max_stream_inflight
         self.serving = False  # ServerReady follows GrpcFrontend.set_serving
 
@@ -192,8 +187,8 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         _apply_client_deadline(req, context)
         # Awaited in the RPC's own task: a client cancel or an expired deadline
         # cancels this task, and with it everything the core awaits for us.
-        resp = await self._core.infer(req)
-        return encode_infer_response(resp, req)
+        with self._tracing.request(req, context.invocation_metadata, "GRPC"):  # a no-op unless traced
+            return encode_infer_response(await self._core.infer(req), req)
 
     async def _stream_one(
         self, pb: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -202,7 +197,8 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             req = decode_infer_request(pb, allowed_reserved=frozenset({EMPTY_FINAL}), shm=self._shm)
             _apply_client_deadline(req, context)
-            out = encode_infer_response(await self._core.infer(req), req)
+            with self._tracing.request(req, context.invocation_metadata, "GRPC"):
+                out = encode_infer_response(await self._core.infer(req), req)
             if EMPTY_FINAL in pb.parameters and param_value(pb.parameters[EMPTY_FINAL]) is True:
                 out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
             return service_pb2.ModelStreamInferResponse(infer_response=out)
@@ -328,9 +324,17 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 slot.string_param = value
         return response
 
-    # -- Triton extensions this server does not offer: a clear UNIMPLEMENTED, never a hang
+    # -- trace settings (gateway.observability.trace_settings; shared with the HTTP frontend)
 
-    TraceSetting = _unsupported("trace settings are not supported by this server")
+    @_unary_edge
+    async def TraceSetting(self, request: Any, context: Any) -> service_pb2.TraceSettingResponse:
+        settings = self._tracing.settings
+        wanted = {key: list(v.value) for key, v in request.settings.items()}
+        current = settings.update(request.model_name, wanted) if wanted else settings.current(request.model_name)
+        response = service_pb2.TraceSettingResponse()
+        for key, value in current.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
 
 
 # ---- wiring ---------------------------------------------------------------------
@@ -403,6 +407,7 @@ def add_grpc_services(
     max_stream_inflight: int = 256,
     shm: SharedMemoryRegistry | None = None,
     logs: LogSettings | None = None,
+    tracing: RequestTracing | None = None,
 ) -> GrpcFrontend:
     """Register the KServe v2 inference service and the health service on ``server``.
 
@@ -411,7 +416,7 @@ def add_grpc_services(
     bounds the requests of one ModelStreamInfer stream that run or wait to be
     written at the same time. ``shm`` is the shared-memory region registry
     and ``logs`` the log settings (give the HTTP frontend's; fresh ones when
-    not given).
+    not given); ``tracing`` the core's request tracing (off when not given).
     """
     if max_stream_inflight < 1:
         raise ValueError("max_stream_inflight must be at least 1")
@@ -420,6 +425,7 @@ def add_grpc_services(
         max_stream_inflight=max_stream_inflight,
         shm=shm if shm is not None else SharedMemoryRegistry(),
         logs=logs if logs is not None else LogSettings(),
+        tracing=tracing if tracing is not None else RequestTracing.off(),
     )
     servicer.serving = serving
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

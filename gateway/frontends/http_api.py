@@ -56,6 +56,7 @@ from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
 from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
+from gateway.observability.tracing import RequestTracing
 from gateway.types import InferenceCore
 from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable, Unsupported
 
@@ -83,19 +84,22 @@ def create_http_app(
     max_request_bytes: int = 256 * 2**20,
     shm: SharedMemoryRegistry | None = None,
     logs: LogSettings | None = None,
+    tracing: RequestTracing | None = None,
 ) -> web.Application:
     """The REST application serving ``core``; run it with AppRunner/TCPSite.
 
     ``max_request_bytes`` bounds a request body after decompression. ``shm``
     is the shared-memory region registry and ``logs`` the log settings, both
-    shared with the gRPC frontend (fresh ones when not given). Routes
+    shared with the gRPC frontend (fresh ones when not given), as is
+    ``tracing`` (the core's request tracing; off when not given). Routes
     added to the returned app later (metrics, dashboard) share its error
     middleware.
     """
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     shm = shm if shm is not None else SharedMemoryRegistry()
-    api = _HttpApi(core, max_request_bytes, shm)
+    tracing = tracing if tracing is not None else RequestTracing.off()
+    api = _HttpApi(core, max_request_bytes, shm, tracing)
     app = web.Application(
         middlewares=[error_middleware],
         client_max_size=max_request_bytes,
@@ -123,7 +127,7 @@ def create_http_app(
         add.add_get(base + "/config", api.model_config)
         add.add_get(base + "/stats", api.statistics)
         add.add_post(base + "/infer", api.infer)
-    add_extension_routes(app, shm, logs if logs is not None else LogSettings())
+    add_extension_routes(app, shm, logs if logs is not None else LogSettings(), tracing.settings)
     return app
 
 
@@ -174,8 +178,10 @@ def _json(value: Any) -> web.Response:
 class _HttpApi:
     """The endpoint handlers, bound to one core."""
 
-    def __init__(self, core: InferenceCore, max_request_bytes: int, shm: SharedMemoryRegistry) -> None:
+    def __init__(self, core: InferenceCore, max_request_bytes: int, shm: SharedMemoryRegistry,
+                 tracing: RequestTracing) -> None:
         self._core = core
+        self._tracing = tracing
         self._max_request_bytes = max_request_bytes
         self._shm = shm
 
@@ -264,8 +270,10 @@ class _HttpApi:
         # The HTTP counterpart of a gRPC deadline (Triton defines none): milliseconds from arrival.
         apply_timeout_header(decoded.request, request.headers.get(TIMEOUT_HEADER), now)
         _request_id.set(decoded.request.id)
-        response = await self._core.infer(decoded.request)
-        return await _send_infer(request, encode_infer_response(response, decoded))
+        # A no-op unless the trace settings take this request (the client's traceparent is its parent).
+        with self._tracing.request(decoded.request, request.headers, "HTTP"):
+            response = await self._core.infer(decoded.request)
+            return await _send_infer(request, encode_infer_response(response, decoded))
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, decompressed, at most ``max_request_bytes`` long."""

@@ -8,7 +8,10 @@
 - the same three under ``/v2/cudasharedmemory`` (no region can be
   registered: this server has no GPU to share; the status lists none);
 - ``GET|POST /v2/logging``: the log settings, and their update
-  (``gateway.frontends.log_settings``).
+  (``gateway.frontends.log_settings``);
+- ``GET|POST /v2/trace/setting`` and ``/v2/models/{model}/trace/setting``:
+  the global and per-model trace settings, and their update
+  (``gateway.observability.trace_settings``).
 
 The region registry and the log settings are shared with the gRPC frontend;
 errors go through the application's one error middleware.
@@ -24,6 +27,7 @@ from aiohttp import web
 from gateway.frontends.http_codec import parse_json_object
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
+from gateway.observability.trace_settings import TraceSettings, normalize_json
 from protos.errors import InvalidArgument
 
 _SYSTEM = "/v2/systemsharedmemory"
@@ -46,9 +50,10 @@ def _uint(doc: dict[str, Any], key: str, *, required: bool) -> int:
 
 
 class _Extensions:
-    def __init__(self, shm: SharedMemoryRegistry, logs: LogSettings) -> None:
+    def __init__(self, shm: SharedMemoryRegistry, logs: LogSettings, traces: TraceSettings) -> None:
         self._shm = shm
         self._logs = logs
+        self._traces = traces
 
     # -- system shared memory
 
@@ -95,9 +100,20 @@ class _Extensions:
         doc = parse_json_object(await request.read(), "log settings request")
         return _json(self._logs.update(doc))
 
+    # -- trace settings (global, or the model's)
 
-def add_extension_routes(app: web.Application, shm: SharedMemoryRegistry, logs: LogSettings) -> None:
-    ext = _Extensions(shm, logs)
+    async def trace_get(self, request: web.Request) -> web.Response:
+        return _json(self._traces.current(request.match_info.get("model", "")))
+
+    async def trace_update(self, request: web.Request) -> web.Response:
+        doc = parse_json_object(await request.read(), "trace setting request")
+        return _json(self._traces.update(request.match_info.get("model", ""), normalize_json(doc)))
+
+
+def add_extension_routes(
+    app: web.Application, shm: SharedMemoryRegistry, logs: LogSettings, traces: TraceSettings
+) -> None:
+    ext = _Extensions(shm, logs, traces)
     add = app.router
     for base, status, register, unregister in (
         (_SYSTEM, ext.system_status, ext.system_register, ext.system_unregister),
@@ -110,3 +126,6 @@ def add_extension_routes(app: web.Application, shm: SharedMemoryRegistry, logs: 
         add.add_post(base + "/region/{name}/unregister", unregister)
     add.add_get("/v2/logging", ext.logging_get)
     add.add_post("/v2/logging", ext.logging_update)
+    for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
+        add.add_get(path, ext.trace_get)
+        add.add_post(path, ext.trace_update)

@@ -3,11 +3,13 @@
 ``stats`` keeps per-model statistics in Triton's shape; ``latency`` the
 end-to-end latency histograms; ``metrics`` serves Prometheus ``/metrics``
 from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
-``dashboard`` serves the page in ``static/``, which polls the cluster API.
+``dashboard`` serves the page in ``static/``, which polls the cluster API;
+``trace_settings`` holds Triton's trace settings (global and per model) and
+``tracing`` the traces the frontends and the core take with them.
 
-May import: ``serverkit`` (the Prometheus text format), ``gateway.fleet``,
-``gateway.ensembles`` (the record of an ensemble's steps),
-``gateway.types``, ``protos``; the live gateway is read through the object
+May import: ``serverkit`` (the Prometheus text format, tracing),
+``gateway.config``, ``gateway.fleet``, ``gateway.ensembles`` (the record of
+an ensemble's steps), ``gateway.types``, ``protos``; the live gateway is read through the object
 ``app`` hands in. Nothing here is on the request path except the counters
-the core updates.
+the core updates and the trace contexts (one check while tracing is off).
 """

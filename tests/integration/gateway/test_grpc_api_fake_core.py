@@ -268,18 +268,14 @@ async def test_errors_map_to_codes(
         assert served.core.requests == []  # rejected before the core
 
 
-async def test_trace_settings_unimplemented(served: Served) -> None:
-    def call() -> list[str]:
-        statuses = []
+async def test_trace_settings_answer_tritons_defaults(served: Served) -> None:
+    def call() -> dict:
         with grpcclient.InferenceServerClient(served.url) as client:
-            for attempt in (lambda: client.get_trace_settings(),):
-                with pytest.raises(InferenceServerException) as info:
-                    attempt()
-                statuses.append(info.value.status())
-                assert "not supported" in info.value.message()
-        return statuses
+            return client.get_trace_settings(as_json=True)["settings"]
 
-    assert await asyncio.to_thread(call) == ["StatusCode.UNIMPLEMENTED"]
+    settings = await asyncio.to_thread(call)
+    assert settings["trace_level"] == {"value": ["OFF"]}
+    assert settings["trace_rate"] == {"value": ["1000"]} and settings["trace_mode"] == {"value": ["triton"]}
 
 
 # ---- deadlines and cancellation --------------------------------------------------
