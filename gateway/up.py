@@ -29,7 +29,7 @@ from gateway.app import add_triton_arguments, start_gateway, triton_overrides, w
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
-from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
+from serverkit.process import die_with_parent, install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start the workers without a shared token: anyone who can reach their ports may call them")
     add_triton_arguments(parser)
     add_security_arguments(parser)
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Resolved here, in the parent: the child runs _die_with_parent between fork
-# and exec, while other threads of this process (gRPC's) may hold the dynamic
-# loader's lock, so loading a library there could hang the child for good.
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalWorker:
@@ -111,7 +88,7 @@ class LocalWorker:
         # Own session: a terminal's Ctrl-C reaches only `up`, which stops the
         # workers after the gateway has drained. The parent-death signal makes
         # sure no worker outlives an `up` that was killed outright.
-        self.process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=die_with_parent)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WORKER_START_TIMEOUT_S
         while not ready.exists():
