@@ -6,7 +6,8 @@ latest, batch statistics merge by batch size. Prometheus: counters and
 histograms sum sample by sample (bucket-wise); gauges of load (queue depth,
 in-flight) sum, gauges of the shared view (a worker's state, a model's
 replicas, a queue's capacity) are the same in every process and are taken
-once. Cluster documents: per-worker and per-model counters sum on top of
+once; ``PER_PROCESS`` families keep one series per process (a ``process``
+label). Cluster documents: per-worker and per-model counters sum on top of
 one process's view.
 """
 
@@ -33,6 +34,8 @@ VIEW_GAUGES = frozenset({
     "process_max_fds",
 })
 _EARLIEST = frozenset({"process_start_time_seconds"})
+# Families shown per process (a ``process`` label added), not summed: who does what.
+PER_PROCESS = frozenset({"infergate_placement_rounds"})
 _REQUEST_FAMILIES = ("nv_inference_request_success", "nv_inference_request_failure")
 
 
@@ -42,9 +45,12 @@ def _repeated(field: FieldDescriptor) -> bool:
     return bool(repeated) if repeated is not None else field.label == FieldDescriptor.LABEL_REPEATED
 
 
-def _add(into: Message, other: Message) -> None:
+def _add(into: Message, other: Message, keys: tuple[str, ...] = ()) -> None:
+    """Add ``other``'s counts into ``into``; ``keys`` are the fields the two were matched on."""
     for field, value in other.ListFields():
         name = field.name
+        if name in keys:
+            continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             target = getattr(into, name)
             if field.message_type.GetOptions().map_entry:
@@ -69,7 +75,7 @@ def _add_repeated(target: Any, items: Iterable[Message], key_fields: tuple[str, 
     for item in items:
         key = tuple(getattr(item, k) for k in key_fields)
         if key_fields and key in index:
-            _add(index[key], item)
+            _add(index[key], item, key_fields)
         else:
             index[key] = target.add()
             index[key].CopyFrom(item)
@@ -116,7 +122,7 @@ def merge_metrics(texts: list[str]) -> bytes:
     families: dict[str, Metric] = {}
     samples: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
     requests = []
-    for text in texts:
+    for index, text in enumerate(texts):
         answered = 0.0
         # The parser names every counter's samples ``*_total``; Triton's bare counters keep their names.
         bare = {line.split()[2] for line in text.splitlines()
@@ -129,7 +135,8 @@ def merge_metrics(texts: list[str]) -> bytes:
             into = samples[family.name]
             for s in family.samples:
                 sample_name = s.name.removesuffix("_total") if family.name in bare else s.name
-                key = (sample_name, tuple(sorted(s.labels.items())))
+                labels = {**s.labels, "process": str(index)} if family.name in PER_PROCESS else s.labels
+                key = (sample_name, tuple(sorted(labels.items())))
                 if family.name in _REQUEST_FAMILIES:
                     answered += s.value
                 if key not in into:

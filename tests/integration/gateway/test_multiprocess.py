@@ -137,6 +137,7 @@ def test_every_process_answers_the_exact_whole_gateway_statistics(worker: Proc, 
         assert model["inference_stats"]["success"]["count"] == sent
         assert model["inference_stats"]["fail"]["count"] == 0
         assert sum(b["compute_infer"]["count"] for b in model["batch_stats"]) == model["execution_count"]
+        assert sum(int(b["batch_size"]) * int(b["compute_infer"]["count"]) for b in model["batch_stats"]) == sent
         for _ in range(10):  # gRPC statistics, each over a new channel
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}")
             try:
@@ -152,7 +153,9 @@ def test_every_process_answers_the_exact_whole_gateway_statistics(worker: Proc, 
             per_process = samples(text, "infergate_process_requests")
             assert sum(per_process.values()) == sent
             assert all(n > 0 for n in per_process.values()) and len(per_process) == 2, per_process
-            # Placement ran in the leader only: one load of the one declared replica.
+            # Placement runs in the leader only: its rounds, one load of the one declared replica.
+            rounds = samples(text, "infergate_placement_rounds")
+            assert rounds[(("process", "0"),)] > 0 and rounds[(("process", "1"),)] == 0, rounds
             assert samples(text, "infergate_placement_loads") == {(): 1.0}
         for texts in from_every_process(gateway, "/v2/cluster/stats").values():
             (doc,) = [m for m in json.loads(texts[-1])["models"] if m["model"] == "simple"]
