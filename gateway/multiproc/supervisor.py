@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.multiproc.spec import PEER_HOST, ProcessSpec, reserve_port
 from serverkit.process import die_with_parent, wait_for_signal, write_ready_file
 
@@ -78,6 +78,11 @@ class GatewayProcesses:
 
     async def _start(self) -> None:
         cfg = self.config
+        if cfg.logical_models():
+            # Their shards and peer groups are set up by each gateway on its own; with several
+            # processes that would happen once per process.
+            raise ConfigError(f"split (logical) models ({', '.join(sorted(cfg.logical_models()))}) need one "
+                              "gateway process: drop --processes / --gateway-processes")
         http = reserve_port(cfg.host, cfg.http_port)
         grpc_ = reserve_port(cfg.host, cfg.grpc_port)
         peers = [reserve_port(PEER_HOST, 0) for _ in range(self.count)]
