@@ -75,7 +75,7 @@ class FollowerPlacement(PlacementController):
             try:
                 await self._group.call(0, "POST", "touch", body=orjson.dumps(dict(touched)))
             except Unavailable as e:  # the leader is stopping or restarting: this demand is lost, the next is not
-                log.warning("demand not sent to the leader: %s", e)
+                log.info("demand not sent to the leader: %s", e)
 
     async def wait_round(self, timeout_s: float | None) -> bool:
         return False  # no rounds here: the leader's drain waits on its own

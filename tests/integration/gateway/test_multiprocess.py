@@ -183,6 +183,66 @@ def test_a_load_through_any_process_is_served_by_every_process(worker: Proc, tmp
         gateway.stop()
 
 
+def worker_inferences(worker: Proc, model: str) -> int:
+    client = grpcclient.InferenceServerClient(worker_url(worker))
+    try:
+        stats = client.get_inference_statistics(model).model_stats
+    except Exception:  # not loaded there
+        return 0
+    finally:
+        client.close()
+    return sum(s.inference_count for s in stats)
+
+
+def test_a_model_loaded_on_demand_is_placed_once(worker: Proc, tmp_path: Path) -> None:
+    gateway = gateway_of(worker, tmp_path, "", "--load-on-demand")
+    try:
+        for _ in range(8):  # the first request each process gets for `simple` places it
+            infer_fresh(gateway)
+        for texts in from_every_process(gateway, "/metrics").values():
+            text = texts[-1].decode()
+            assert samples(text, "infergate_placement_loads") == {(): 1.0}
+            assert samples(text, "nv_inference_request_success")[(("model", "simple"), ("version", "1"))] == 16
+    finally:
+        gateway.stop()
+
+
+def test_a_drain_through_any_process_stops_every_process_sending_there(model_repo: Path, tmp_path: Path) -> None:
+    workers = [start_worker(model_repo, "--backend", "sim", "--sim-latency-ms", "0", "--model-control-mode", "explicit")
+               for _ in range(2)]
+    gateway = None
+    try:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(FAST + "models:\n  simple: {replicas: 1}\n")
+        gateway = start(["gateway", *[a for w in workers for a in ("--worker", worker_url(w))], "--http-port", "0",
+                         "--grpc-port", "0", "--config", str(path), "--processes", "2"])
+        by_address = {worker_url(w): w for w in workers}
+
+        def placed() -> list[str]:
+            models = json.loads(fetch(gateway, "/v2/cluster")[1])["models"]
+            return next((m["replicas"] for m in models if m["name"] == "simple"), [])
+
+        (host,) = until(placed, "simple placed")
+        for _ in range(10):
+            infer_fresh(gateway)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{gateway.ready['http_port']}/v2/cluster/workers/{host}/drain?timeout_s=30", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer = json.loads(reply.read())
+        assert answer["state"] == "drained" and answer["moved"] == ["simple"] and answer["inflight"] == 0, answer
+        before = worker_inferences(by_address[host], "simple")
+        for _ in range(20):  # fresh connections: both processes
+            infer_fresh(gateway)
+        assert worker_inferences(by_address[host], "simple") == before
+        (other,) = [w for a, w in by_address.items() if a != host]
+        assert worker_inferences(other, "simple") == 40
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for w in workers:
+            w.stop()
+
+
 async def _inflight(gateway: Proc, n: int) -> list[Any]:
     clients = [grpcclient_aio.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}") for _ in range(n)]
     try:
