@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the workers' model repository, read only to split logical models declared with `from:`")
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None,
                         help="default batching mode for every model (default adaptive)")
-    parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving")
+    parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving (with --processes N: also gateway_pids, peer_ports)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="gateway processes sharing the HTTP and gRPC ports (default 1; 0: one per core); "

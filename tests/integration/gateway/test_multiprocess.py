@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ import tritonclient.grpc.aio as grpcclient_aio
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Proc, start, start_worker, worker_url
+from tests.harness import Proc, infergate_cmd, start, start_worker, worker_url
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -288,3 +289,19 @@ def test_up_runs_several_gateway_processes(model_repo: Path) -> None:
     finally:
         up.stop()
     assert all(gone(pid) for pid in pids + [w["pid"] for w in up.ready["workers"]])
+
+
+@pytest.mark.parametrize(("flags", "config", "message"), [
+    (["--processes", "-1"], "", "--processes must be >= 0"),
+    (["--processes", "2"], "models:\n  mlp_tp2: {from: mlp, tensor_parallel: 2}\n", "need one gateway process"),
+])
+def test_what_several_processes_cannot_do_is_refused_at_start(
+    model_repo: Path, tmp_path: Path, flags: list[str], config: str, message: str
+) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config)
+    result = subprocess.run(
+        infergate_cmd("gateway", "--http-port", "0", "--grpc-port", "0", "--config", str(path),
+                      "--model-repository", str(model_repo), *flags),
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
