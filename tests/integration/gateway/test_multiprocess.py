@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,15 @@ def fetch(gateway: Proc, path: str) -> tuple[str, bytes]:
     """(answering process, body) of one GET over a fresh connection."""
     with urllib.request.urlopen(f"http://127.0.0.1:{gateway.ready['http_port']}{path}", timeout=30) as r:
         return r.headers["X-Infergate-Process"], r.read()
+
+
+def fetch_status(gateway: Proc, path: str) -> tuple[str, int]:
+    """(answering process, HTTP status) of one GET over a fresh connection."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.ready['http_port']}{path}", timeout=30) as r:
+            return r.headers["X-Infergate-Process"], r.status
+    except urllib.error.HTTPError as e:
+        return e.headers["X-Infergate-Process"], e.code
 
 
 def from_every_process(gateway: Proc, path: str) -> dict[str, list[bytes]]:
@@ -180,6 +190,19 @@ def test_a_load_through_any_process_is_served_by_every_process(worker: Proc, tmp
         placement = {json.loads(b)["counters"]["loads"] for v in from_every_process(
             gateway, "/v2/cluster/placement").values() for b in v}
         assert placement == {0}, "the repository load is not a placement"
+        for _ in range(4):  # an unload through any process: no process serves the model when it returns
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}")
+            try:
+                client.unload_model("simple")
+            finally:
+                client.close()
+            statuses = [fetch_status(gateway, "/v2/models/simple/ready") for _ in range(10)]
+            assert set(statuses) <= {("0", 400), ("1", 400)} and len(statuses) == 10, statuses
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ready['grpc_port']}")
+            try:
+                client.load_model("simple")
+            finally:
+                client.close()
     finally:
         gateway.stop()
 
