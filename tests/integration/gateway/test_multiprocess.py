@@ -3,10 +3,13 @@ real processes: a simulated worker (no compute) and the stock ``tritonclient``.
 
 Asserted: every process answers the same statistics, /metrics and cluster
 counters, equal to the requests sent exactly, and both processes served some
-of them; placement loaded the declared model once, not once per process; a
-load sent to any process is served by every process when it returns; SIGTERM
-to the parent answers the requests in flight and stops every process;
-``infergate up --gateway-processes 2`` lists the processes in its ready file.
+of them; placement runs in the leader only and loaded the declared (or
+requested, with load on demand) model once; a load or unload sent to any
+process holds in every process when it returns; a drain sent to any process
+stops every process sending to the worker; SIGTERM to the parent answers the
+requests in flight and stops every process, and a child that dies stops the
+gateway; ``infergate up --gateway-processes 2`` lists the processes in its
+ready file; what several processes cannot do yet is refused at start.
 
 Each request goes over a fresh connection, so the kernel spreads them over
 both processes; which process answered an HTTP call is in its
@@ -328,3 +331,14 @@ def test_what_several_processes_cannot_do_is_refused_at_start(
                       "--model-repository", str(model_repo), *flags),
         capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_a_gateway_process_that_dies_stops_the_whole_gateway(worker: Proc, tmp_path: Path) -> None:
+    gateway = gateway_of(worker, tmp_path, "")
+    try:
+        pids = gateway.ready["gateway_pids"]
+        os.kill(pids[1], 9)
+        assert gateway.popen.wait(timeout=60) == 1, gateway.log()[-4000:]
+        assert all(gone(pid) for pid in pids)
+    finally:
+        gateway.stop(check=False)
