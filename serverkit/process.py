@@ -1,5 +1,6 @@
 """Process plumbing that the gateway and the worker share: logging set-up,
-the event loop policy, and the ready file a parent process waits on."""
+the event loop policy, the ready file a parent process waits on, waiting for
+the stop signal, and children that die with their parent."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,15 +59,11 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """``preexec_fn`` for a child process: SIGTERM it when its parent dies (Linux)."""
     if _PRCTL is not None:
-        import signal
-
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def wait_for_signal() -> None:
     """Return on the first SIGTERM/SIGINT; a second one exits at once."""
-    import signal
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     count = 0
