@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping
 from contextlib import suppress
@@ -32,6 +31,11 @@ from gateway.frontends.grpc_guard import MalformedRequestGuard
 from gateway.frontends.http_api import create_http_app
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.shared_memory import SharedMemoryRegistry
+from gateway.multiproc.group import GroupGateway
+from gateway.multiproc.peers import ProcessGroup
+from gateway.multiproc.routes import GroupViews, add_group_routes, internal_app
+from gateway.multiproc.spec import PEER_HOST, ProcessSpec
+from gateway.multiproc.supervisor import process_count, serve_processes
 from gateway.observability.cluster_api import add_cluster_routes
 from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
@@ -39,7 +43,7 @@ from gateway.observability.trace_settings import trace_config
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
-from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
+from serverkit.process import install_event_loop_policy, setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the workers' model repository, read only to split logical models declared with `from:`")
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None,
                         help="default batching mode for every model (default adaptive)")
-    parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving")
+    parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving (with --processes N: also gateway_pids, peer_ports)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="gateway processes sharing the HTTP and gRPC ports (default 1; 0: one per core); "
+                             "see README: several gateway processes")
+    # Internal: how the parent of several processes starts each one.
+    parser.add_argument("--process-spec", default=None, help=argparse.SUPPRESS)
     add_triton_arguments(parser)
     add_security_arguments(parser)
 
@@ -133,6 +142,7 @@ class RunningGateway:
     frontend: Any
     http_port: int
     grpc_port: int
+    peer_runner: web.AppRunner | None = None  # the internal endpoint of a process among several
 
     async def stop(self, grace_s: float) -> None:
         self.gateway.begin_shutdown()
@@ -149,15 +159,23 @@ class RunningGateway:
         await self.grpc_server.stop(min(grace_s, _ANSWER_FLUSH_S))
         await grpc_stop
         await self.http_runner.cleanup()
+        if self.peer_runner is not None:
+            await self.peer_runner.cleanup()
         # The last traces: the trace file's remainder, the spans still buffered for the exporter.
         self.gateway.tracing.close()
         await asyncio.to_thread(tracing.shutdown)
 
 
 async def start_gateway(
-    config: GatewayConfig, gateway: Gateway | None = None, *, worker_metrics_urls: Mapping[str, str] | None = None
+    config: GatewayConfig, gateway: Gateway | None = None, *, worker_metrics_urls: Mapping[str, str] | None = None,
+    group: ProcessGroup | None = None,
 ) -> RunningGateway:
-    """Start every part; ``worker_metrics_urls`` (address -> /metrics URL) lets the cluster API show devices."""
+    """Start every part; ``worker_metrics_urls`` (address -> /metrics URL) lets the cluster API show devices.
+
+    With ``group`` this is one process among several (``gateway.multiproc``): ``gateway`` is its
+    ``GroupGateway``, the public ports are shared (SO_REUSEPORT), the observability and drain
+    routes answer for the whole gateway, and the internal peer endpoint is served too.
+    """
     # Keys and certificates are read before anything starts: a bad file stops here.
     security = GatewaySecurity.from_config(config)
     gateway = gateway or Gateway(config)
@@ -170,7 +188,7 @@ async def start_gateway(
         # The same bound as an HTTP body: a larger message is refused (RESOURCE_EXHAUSTED) before it is read.
         ("grpc.max_receive_message_length", min(GRPC_MAX_MESSAGE_BYTES, config.max_request_bytes)),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if group is not None else 0),
         # Every call of a burst reaches the handlers, which serve it or refuse it with a retry hint.
         *BURST_OPTIONS,
     ])
@@ -188,39 +206,30 @@ async def start_gateway(
                           tracing=gateway.tracing)
     security.install_http(app)
     # Observability routes join the REST app before setup freezes it.
-    add_metrics_routes(app, gateway)
-    devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
+    peer_runner = None
+    if group is None:
+        add_metrics_routes(app, gateway)
+        devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
+        add_drain_routes(app, gateway)
+    else:
+        assert isinstance(gateway, GroupGateway)
+        views = GroupViews(gateway, worker_metrics_urls)
+        devices = views.devices
+        add_group_routes(app, views)
+        peer_runner = web.AppRunner(internal_app(views), access_log=None, handle_signals=False)
+        await peer_runner.setup()
+        await web.TCPSite(peer_runner, PEER_HOST, group.peer_port, reuse_port=True).start()
     gateway.fleet.registry.on_metrics(devices.set_metrics_url)  # registered workers' devices on /v2/cluster
-    add_drain_routes(app, gateway)
     add_dashboard_routes(app)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_grace_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=False, ssl_context=security.ssl_context,
-                       backlog=HTTP_LISTEN_BACKLOG)
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_port=group is not None,
+                       ssl_context=security.ssl_context, backlog=HTTP_LISTEN_BACKLOG)
     await site.start()
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)
     log.info("gateway serving: HTTP %s:%d, gRPC %s:%d, %d worker(s)", config.host, http_port, config.host, grpc_port, len(config.workers))
-    return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port)
-
-
-async def wait_for_signal() -> None:
-    """Return on the first SIGTERM/SIGINT; a second one exits at once."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    count = 0
-
-    def on_signal() -> None:
-        nonlocal count
-        count += 1
-        if count > 1:
-            log.warning("second signal: exiting now")
-            os._exit(1)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
+    return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port, peer_runner)
 
 
 async def serve(config: GatewayConfig, ready_file: str | None) -> None:
@@ -231,19 +240,48 @@ async def serve(config: GatewayConfig, ready_file: str | None) -> None:
     await running.stop(config.shutdown_grace_s)
 
 
+async def serve_in_group(spec: ProcessSpec) -> None:
+    """One process among several: serve until the parent's SIGTERM, then drain."""
+    group = ProcessGroup(spec)
+    try:
+        running = await start_gateway(spec.config, GroupGateway(spec.config, group),
+                                      worker_metrics_urls=spec.worker_metrics_urls, group=group)
+        write_ready_file(spec.ready_file, {"pid": os.getpid(), "index": spec.index})
+        await wait_for_signal()
+        log.info("gateway process %d shutting down (grace %.1fs)", spec.index, spec.config.shutdown_grace_s)
+        await running.stop(spec.config.shutdown_grace_s)
+    finally:
+        await group.close()
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
-        config = config_from_args(args)
+        if args.process_spec:
+            spec = ProcessSpec.read(args.process_spec)
+            config = spec.config
+        else:
+            config = config_from_args(args)
+        if args.processes < 0:
+            raise ConfigError("--processes must be >= 0 (0: one per core)")
     except ConfigError as e:
         print(f"infergate gateway: {e}", file=sys.stderr)
         return 2
-    if not config.workers:
+    if not config.workers and not args.process_spec:
         log.warning("no workers configured: the gateway serves no model until workers are added")
     install_event_loop_policy()
+    processes = process_count(args.processes)
     try:
-        asyncio.run(serve(config, args.ready_file))
+        if args.process_spec:
+            asyncio.run(serve_in_group(spec))
+        elif processes > 1:
+            return asyncio.run(serve_processes(config, processes, args.ready_file, args.log_level))
+        else:
+            asyncio.run(serve(config, args.ready_file))
     except ConfigError as e:  # found while starting, e.g. a logical model that cannot be split
         print(f"infergate gateway: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a gateway process that did not start
+        print(f"infergate gateway: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -29,8 +29,9 @@ from gateway.app import add_triton_arguments, start_gateway, triton_overrides, w
 from gateway.observability.trace_settings import trace_config
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
+from gateway.multiproc.supervisor import GatewayProcesses, process_count
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
-from serverkit.process import install_event_loop_policy, setup_logging, write_ready_file
+from serverkit.process import die_with_parent, install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--no-worker-token", action="store_true",
                         help="start the workers without a shared token: anyone who can reach their ports may call them")
+    parser.add_argument("--gateway-processes", type=int, default=1, metavar="N",
+                        help="gateway processes sharing the HTTP and gRPC ports (default 1; 0: one per core)")
     add_triton_arguments(parser)
     add_security_arguments(parser)
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Resolved here, in the parent: the child runs _die_with_parent between fork
-# and exec, while other threads of this process (gRPC's) may hold the dynamic
-# loader's lock, so loading a library there could hang the child for good.
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalWorker:
@@ -112,7 +92,7 @@ class LocalWorker:
         # Own session: a terminal's Ctrl-C reaches only `up`, which stops the
         # workers after the gateway has drained. The parent-death signal makes
         # sure no worker outlives an `up` that was killed outright.
-        self.process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, preexec_fn=die_with_parent)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WORKER_START_TIMEOUT_S
         while not ready.exists():
@@ -209,6 +189,9 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     workers = [LocalWorker(i, args.model_repository, worker_args, workdir) for i in range(args.workers)]
     supervisors: set[asyncio.Task[None]] = set()
     running = None
+    processes = process_count(args.gateway_processes)
+    if processes > 1:
+        return await _serve_processes(config, workers, processes, token_file, args)
     try:
         if args.register:
             # The gateway first: the workers need its gRPC port to register (their metrics ports come with it).
@@ -232,6 +215,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             "http_port": running.http_port,
             "grpc_port": running.grpc_port,
             "gateway_pid": os.getpid(),
+            "gateway_pids": [os.getpid()],
             # For tools that call the workers directly (readable by this user only).
             "worker_token_file": str(token_file) if token_file is not None else None,
             "workers": [
@@ -262,8 +246,62 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
 
 
+async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], count: int, token_file: Path | None,
+                           args: argparse.Namespace) -> int:
+    """``--gateway-processes N``: the workers, then N gateway processes in front of them (``gateway.multiproc``)."""
+    supervisors: set[asyncio.Task[None]] = set()
+    group: GatewayProcesses | None = None
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+        config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
+        metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
+        group = GatewayProcesses(config, count, log_level=args.log_level, worker_metrics_urls=metrics_urls)
+        await group.start()
+        for w in workers:
+            task = asyncio.create_task(w.supervise(), name=f"supervise-worker-{w.index}")
+            supervisors.add(task)
+            task.add_done_callback(supervisors.discard)
+        write_ready_file(args.ready_file, {
+            "http_port": group.http_port, "grpc_port": group.grpc_port, "gateway_pid": os.getpid(),
+            "gateway_pids": group.pids,
+            "worker_token_file": str(token_file) if token_file is not None else None,
+            "workers": [{"address": w.address, "metrics_port": w.metrics_port, "pid": w.process.pid if w.process else None}
+                        for w in workers],
+        })
+        local = "127.0.0.1" if config.host in ("", "0.0.0.0", "::") else config.host
+        print(f"infergate is up: HTTP http://{config.host}:{group.http_port}  gRPC {config.host}:{group.grpc_port}  "
+              f"{count} gateway processes  workers: {', '.join(w.address for w in workers)}\n"
+              f"  try: curl -s -X POST http://{local}:{group.http_port}/v2/repository/index\n"
+              "  Ctrl-C stops everything.", flush=True)
+        signalled = asyncio.ensure_future(wait_for_signal())
+        died = asyncio.ensure_future(group.wait_any_exit())
+        await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if died.done():
+            log.error("gateway process %d exited with %s; stopping the local cluster", *died.result())
+            return 1
+        died.cancel()
+        log.info("stopping the local cluster")
+        return 0
+    finally:
+        for w in workers:
+            w.stopping = True
+        if group is not None:
+            await group.stop(config.shutdown_grace_s)
+        for task in list(supervisors):
+            task.cancel()
+        await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    if args.gateway_processes < 0:
+        print("infergate up: --gateway-processes must be >= 0 (0: one per core)", file=sys.stderr)
+        return 2
+    if args.register and process_count(args.gateway_processes) > 1:
+        print("infergate up: --register needs one gateway process (a worker registers with the process its "
+              "connection lands on); list the workers instead (drop --register)", file=sys.stderr)
+        return 2
     if args.workers < 0:
         print("infergate up: --workers must be >= 0", file=sys.stderr)
         return 2
@@ -287,3 +325,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:  # found while starting, e.g. a logical model that cannot be split
         print(f"infergate up: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a worker or gateway process that did not start
+        print(f"infergate up: {e}", file=sys.stderr)
+        return 1

@@ -1,5 +1,6 @@
 """Process plumbing that the gateway and the worker share: logging set-up,
-the event loop policy, and the ready file a parent process waits on."""
+the event loop policy, the ready file a parent process waits on, waiting for
+the stop signal, and children that die with their parent."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,3 +36,46 @@ def write_ready_file(path: str | os.PathLike[str] | None, payload: dict[str, Any
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, target)
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved at import, in the parent: the child runs die_with_parent between
+# fork and exec, while other threads of the parent (gRPC's) may hold the
+# dynamic loader's lock, so loading a library there could hang the child.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child process: SIGTERM it when its parent dies (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM/SIGINT; a second one exits at once."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    count = 0
+
+    def on_signal() -> None:
+        nonlocal count
+        count += 1
+        if count > 1:
+            logging.getLogger(__name__).warning("second signal: exiting now")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()

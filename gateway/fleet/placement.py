@@ -87,6 +87,7 @@ class PlacementController:
         self.loads = 0
         self.unloads = 0
         self.load_failures = 0
+        self.rounds = 0  # rounds run: a gateway process that does not place runs none
         self._wake = asyncio.Event()
         self._round: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,6 +135,7 @@ class PlacementController:
                     done.set_result(None)
 
     async def _reconcile_logged(self) -> None:
+        self.rounds += 1
         try:
             await self._reconcile()
         except asyncio.CancelledError:

@@ -193,6 +193,12 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(
             "infergate_placement_moves", "Models moved between workers by placement", value=getattr(placement, "moves", 0)
         )
+        yield CounterMetricFamily(
+            "infergate_placement_loads", "Model replicas placement loaded onto workers", value=getattr(placement, "loads", 0)
+        )
+        yield CounterMetricFamily(
+            "infergate_placement_rounds", "Placement rounds run (plan, load, unload)", value=getattr(placement, "rounds", 0)
+        )
 
     def _parallel(self) -> Iterator[Metric]:
         calls = CounterMetricFamily(

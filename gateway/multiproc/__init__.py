@@ -1,0 +1,18 @@
+"""Several gateway processes behind one pair of ports (``--processes N``).
+
+``supervisor`` (the parent) reserves the HTTP, gRPC and internal peer ports,
+starts N children and stops them all on SIGTERM; ``spec`` is what a child is
+told (config, index, ports, the group's secret). Every child binds the public
+ports with SO_REUSEPORT, so the kernel spreads connections across them, and
+batches and routes on its own. ``peers`` is a child's client of the others'
+internal endpoint; ``merge`` sums their answers exactly (Triton statistics,
+Prometheus families, cluster documents); ``group`` is the gateway of one
+child: child 0 (the leader) takes placement, load/unload and drain
+decisions, the others forward those to it; ``routes`` serves the
+whole-gateway observability and drain endpoints and the internal ones.
+
+May import: ``gateway.core``, ``gateway.config``, ``gateway.fleet``,
+``gateway.observability``, ``gateway.frontends`` (error responses),
+``serverkit``, ``protos``. ``gateway.app`` imports this package, never the
+other way round.
+"""

@@ -1,0 +1,263 @@
+"""HTTP routes of a gateway process among several.
+
+Public (on the shared HTTP port, in place of the single-process ones):
+``/metrics``, ``/v2/cluster``, ``/v2/cluster/stats`` (which the dashboard
+polls), drain, undrain and ``/v2/cluster/placement``, each the whole
+gateway's answer: counters gathered from every process and summed, drains
+and the placement view from the leader. Every public response carries
+``X-Infergate-Process`` (the index of the process that answered).
+
+Internal (:func:`internal_app`, on the process's own loopback peer port,
+nothing else served there): this process's own counters, and the leader's
+decisions on behalf of the others. Each call must carry the group's secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client.process_collector import ProcessCollector
+from tritonclient.grpc import service_pb2
+
+from gateway.fleet.drain import drain_worker, undrain_worker
+from gateway.frontends.http_api import error_response
+from gateway.multiproc.group import GroupGateway
+from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
+from gateway.multiproc.peers import PEER_PREFIX, error_body
+from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, cluster_view
+from gateway.observability.metrics import GatewayCollector
+from protos.errors import InferGateError, InvalidArgument, NotFound
+from serverkit.prometheus import CONTENT_TYPE, render_text
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+PROCESS_HEADER = "X-Infergate-Process"
+INFLIGHT_POLL_S = 0.05
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+def _float(request: web.Request, name: str, default: float) -> float:
+    try:
+        return float(request.query.get(name, default))
+    except ValueError:
+        raise InvalidArgument(f"{name} must be a number of seconds") from None
+
+
+class GroupViews:
+    """This process's own documents, and the whole gateway's built from every process's."""
+
+    def __init__(self, gateway: GroupGateway, worker_metrics_urls: Mapping[str, str] | None) -> None:
+        self.gateway = gateway
+        self.group = gateway.group
+        self.devices = DeviceMonitor(worker_metrics_urls)
+        self._collectors = [GatewayCollector(gateway), ProcessCollector(registry=None)]
+
+    def local_metrics(self) -> bytes:
+        return render_text(self._collectors)
+
+    async def _in_index_order(self, local: Any, path: str, decode: Callable[[bytes], Any]) -> list[Any]:
+        others = iter(await self.group.gather("GET", path))
+        return [local if i == self.group.index else decode(next(others)) for i in range(self.group.size)]
+
+    async def metrics(self) -> bytes:
+        texts = await self._in_index_order(self.local_metrics().decode(), "metrics", bytes.decode)
+        return merge_metrics(texts)
+
+    async def cluster(self) -> dict[str, Any]:
+        await self.devices.refresh(w.address for w in self.gateway.cluster.workers())
+        others = await self.group.gather("GET", "cluster")
+        return merge_cluster_view([cluster_view(self.gateway, self.devices), *map(orjson.loads, others)])
+
+    async def cluster_stats(self) -> dict[str, Any]:
+        return merge_cluster_stats(await self._in_index_order(cluster_stats(self.gateway), "cluster_stats",
+                                                              orjson.loads))
+
+    # ---- drain: the leader moves the models, then every process stops using the worker ----
+
+    async def drain(self, address: str, timeout_s: float, force: bool) -> tuple[int, dict[str, Any]]:
+        if not self.group.is_leader:
+            doc = orjson.loads(await self.group.call(0, "POST", "drain", params={
+                "address": address, "timeout_s": str(timeout_s), "force": str(force).lower()}, timeout_s=timeout_s + 10))
+            return doc["status"], doc["body"]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        status, body = await drain_worker(self.gateway, address, timeout_s=timeout_s, force=force)
+        if status != 200:
+            return status, body
+        left = max(0.0, deadline - loop.time())
+        for raw in await self.group.gather("POST", "drain_local", params={"address": address, "timeout_s": str(left)},
+                                           timeout_s=left + 10):
+            doc = orjson.loads(raw)
+            body["inflight"] += doc["inflight"]
+            body["open_sequences"] += doc["open_sequences"]
+        body["state"] = "drained" if body["inflight"] == 0 and body["open_sequences"] == 0 else "draining"
+        return status, body
+
+    async def drain_local(self, address: str, timeout_s: float) -> dict[str, Any]:
+        """A follower's part: re-read the workers (the moved replicas), stop sending there, wait for ours."""
+        gateway = self.gateway
+        if gateway.cluster.worker(address) is None:
+            raise NotFound(f"no worker {address}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        await gateway.cluster.refresh()
+        worker = gateway.cluster.worker(address)
+        if worker is None:
+            raise NotFound(f"no worker {address}")
+        if not worker.draining:
+            gateway.cluster.set_draining(address, True)
+        # Polling a condition (this process's in-flight batches there), bounded by the deadline.
+        while (worker.inflight > 0 or gateway.sequences.open_on(address) > 0) and loop.time() < deadline:
+            await asyncio.sleep(INFLIGHT_POLL_S)
+        return {"inflight": worker.inflight, "open_sequences": gateway.sequences.open_on(address)}
+
+    async def undrain(self, address: str) -> tuple[int, dict[str, Any]]:
+        if not self.group.is_leader:
+            doc = orjson.loads(await self.group.call(0, "POST", "undrain", params={"address": address}))
+            return doc["status"], doc["body"]
+        status, body = undrain_worker(self.gateway, address)
+        if status == 200:
+            await self.group.gather("POST", "undrain_local", params={"address": address})
+        return status, body
+
+    def undrain_local(self, address: str) -> None:
+        worker = self.gateway.cluster.worker(address)
+        if worker is not None and worker.draining:
+            self.gateway.cluster.set_draining(address, False)
+
+    async def placement(self) -> dict[str, Any]:
+        if self.group.is_leader:
+            return self.gateway.placement_view()
+        return orjson.loads(await self.group.call(0, "GET", "placement"))
+
+
+def add_group_routes(app: web.Application, views: GroupViews) -> None:
+    """The whole-gateway observability and drain routes (before the app is set up)."""
+    index = str(views.group.index)
+
+    async def stamp(_request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[PROCESS_HEADER] = index
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=await views.metrics(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def cluster(_request: web.Request) -> web.Response:
+        return _json(await views.cluster())
+
+    async def stats(_request: web.Request) -> web.Response:
+        return _json(await views.cluster_stats())
+
+    async def drain(request: web.Request) -> web.Response:
+        timeout_s = _float(request, "timeout_s", views.gateway.config.drain_timeout_s)
+        force = request.query.get("force", "").lower() in ("1", "true", "yes")
+        status, body = await views.drain(request.match_info["address"], timeout_s, force)
+        if 400 <= status != 409:
+            return error_response(status, str(body.get("error", "")))
+        return _json(body, status)
+
+    async def undrain(request: web.Request) -> web.Response:
+        status, body = await views.undrain(request.match_info["address"])
+        return error_response(status, str(body.get("error", ""))) if status >= 400 else _json(body)
+
+    async def placement(_request: web.Request) -> web.Response:
+        return _json(await views.placement())
+
+    async def close(_app: web.Application) -> None:
+        await views.devices.close()
+
+    app.on_response_prepare.append(stamp)
+    app.on_cleanup.append(close)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v2/cluster", cluster)
+    app.router.add_get("/v2/cluster/stats", stats)
+    app.router.add_post("/v2/cluster/workers/{address}/drain", drain)
+    app.router.add_post("/v2/cluster/workers/{address}/undrain", undrain)
+    app.router.add_get("/v2/cluster/placement", placement)
+
+
+def _internal(views: GroupViews, handler: Handler) -> Handler:
+    async def guarded(request: web.Request) -> web.Response:
+        if not views.group.authorized(request.headers):
+            return web.Response(status=404)
+        try:
+            return await handler(request)
+        except InferGateError as e:
+            return web.Response(status=e.http_status, body=error_body(e), content_type="application/json")
+    return guarded
+
+
+def internal_app(views: GroupViews) -> web.Application:
+    """The peer endpoint: what the other processes of the group ask this one."""
+    gateway, q = views.gateway, (lambda r, name: r.query.get(name, ""))
+
+    async def stats(r: web.Request) -> web.Response:
+        response = await gateway.local_statistics(q(r, "name"), q(r, "version"))
+        return web.Response(body=response.SerializeToString())
+
+    async def metrics(_r: web.Request) -> web.Response:
+        return web.Response(body=views.local_metrics())
+
+    async def cluster(_r: web.Request) -> web.Response:
+        return _json(cluster_view(gateway, views.devices))
+
+    async def stats_doc(_r: web.Request) -> web.Response:
+        return _json(cluster_stats(gateway))
+
+    async def touch(r: web.Request) -> web.Response:
+        for name, rows in orjson.loads(await r.read()).items():
+            gateway.fleet.placement.touch(name, int(rows))
+        return _json({})
+
+    async def ensure(r: web.Request) -> web.Response:
+        await gateway.fleet.placement.ensure(q(r, "name"), _float(r, "timeout_s", gateway.config.default_timeout_s))
+        return _json({})
+
+    async def load(r: web.Request) -> web.Response:
+        request = service_pb2.RepositoryModelLoadRequest.FromString(await r.read())
+        await gateway.load_model(request.model_name, dict(request.parameters))
+        return _json({})
+
+    async def unload(r: web.Request) -> web.Response:
+        await gateway.unload_model(q(r, "name"), q(r, "unload_dependents") == "true")
+        return _json({})
+
+    async def reread(r: web.Request) -> web.Response:
+        await gateway.reread(q(r, "name"))
+        return _json({})
+
+    async def drain(r: web.Request) -> web.Response:
+        status, body = await views.drain(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s),
+                                         q(r, "force") == "true")
+        return _json({"status": status, "body": body})
+
+    async def drain_local(r: web.Request) -> web.Response:
+        return _json(await views.drain_local(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s)))
+
+    async def undrain(r: web.Request) -> web.Response:
+        status, body = await views.undrain(q(r, "address"))
+        return _json({"status": status, "body": body})
+
+    async def undrain_local(r: web.Request) -> web.Response:
+        views.undrain_local(q(r, "address"))
+        return _json({})
+
+    async def placement(_r: web.Request) -> web.Response:
+        return _json(gateway.placement_view())
+
+    app = web.Application(client_max_size=2**31 - 1)
+    for method, path, handler in (
+        ("GET", "stats", stats), ("GET", "metrics", metrics), ("GET", "cluster", cluster),
+        ("GET", "cluster_stats", stats_doc), ("POST", "touch", touch), ("POST", "ensure", ensure),
+        ("POST", "load", load), ("POST", "unload", unload), ("POST", "reread", reread), ("POST", "drain", drain),
+        ("POST", "drain_local", drain_local), ("POST", "undrain", undrain), ("POST", "undrain_local", undrain_local),
+        ("GET", "placement", placement),
+    ):
+        app.router.add_route(method, f"{PEER_PREFIX}/{path}", _internal(views, handler))
+    return app
