@@ -28,7 +28,7 @@ from typing import TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from protos import collective_pb2
+from protos import collective_pb2, wire
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 
@@ -39,6 +39,7 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # The two channels of a client: bulk calls, and the small calls probes make.
 _DATA = "data"
+_SERVICE = "inference.GRPCInferenceService"
 _CONTROL = "control"
 
 # Codes a broken connection surfaces as. UNAVAILABLE is the usual one; a
@@ -134,6 +135,8 @@ class WorkerClient:
         # created on, and clients may be built before the gateway's loop runs.
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
+        # ModelInfer on the data channel, serializing requests whose large tensors are kept aside (protos.wire).
+        self._model_infer: grpc.aio.UnaryUnaryMultiCallable | None = None
         self._collective: CollectiveStub | None = None
         self._closed = False
 
@@ -229,9 +232,16 @@ class WorkerClient:
             raise WorkerUnreachable(f"worker {self.address}: inference connection not ready") from None
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
+        self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
-        return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._model_infer is None:
+            self._model_infer = self._channels[_DATA].unary_unary(
+                f"/{_SERVICE}/ModelInfer",
+                request_serializer=wire.serialize,
+                response_deserializer=service_pb2.ModelInferResponse.FromString,
+            )
+        return await self._call(self._model_infer, request, timeout_s, _DATA)
 
     # ---- collective groups (infergate workers only) ---------------------------
 
@@ -328,5 +338,5 @@ class WorkerClient:
             return
         self._closed = True
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        self._collective = None
+        self._collective = self._model_infer = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))
