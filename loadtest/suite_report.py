@@ -141,16 +141,21 @@ def hand_added_blocks(markdown: str, suite_titles: set[str]) -> list[str]:
 
 
 def merge_previous(results: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
-    """``results`` plus the previous run's sections this run did not measure (``--only``), marked as such."""
+    """``results`` plus the previous run's sections this run did not measure (``--only``), marked as such.
+
+    Sections keep the previous file's order; sections new to it come last.
+    """
     merged = dict(results)
-    ran = {s.get("key") for s in results.get("sections", [])}
+    fresh = {s.get("key"): s for s in results.get("sections", [])}
     when = previous.get("meta", {}).get("date", "an earlier run")
-    kept = []
+    sections = []
     for section in previous.get("sections", []):
-        if section.get("key") in ran or section.get("failed"):
-            continue
-        kept.append(dict(section, measured=section.get("measured") or when))
-    merged["sections"] = [*results.get("sections", []), *kept]
+        key = section.get("key")
+        if key in fresh:
+            sections.append(fresh.pop(key))
+        elif not section.get("failed"):
+            sections.append(dict(section, measured=section.get("measured") or when))
+    merged["sections"] = [*sections, *fresh.values()]
     return merged
 
 
