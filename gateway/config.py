@@ -92,6 +92,8 @@ class GatewayConfig:
     # from the replica: its execution slots for the model (busy), plus one (max).
     max_inflight_per_replica: int = 0
     busy_inflight_per_replica: int = 0
+    # "unary" or "stream": see gateway.fleet.worker_stream.
+    worker_calls: str = "unary"
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
     # One probe's bound: a worker alive but unreachable (a cut link) is found only
@@ -349,6 +351,8 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 
 
 def _validate(config: GatewayConfig) -> None:
+    if config.worker_calls not in ("unary", "stream"):
+        raise ConfigError(f"worker_calls must be 'unary' or 'stream', got {config.worker_calls!r}")
     if config.batching_mode not in BATCHING_MODES:
         raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
     if config.model_control_mode not in MODEL_CONTROL_MODES:

@@ -29,6 +29,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from protos import collective_pb2, wire
+from gateway.fleet.worker_stream import InferStream, StreamLost
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 
@@ -108,6 +109,7 @@ class WorkerClient:
         headers: Mapping[str, str] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         reconnect_backoff_max_ms: int = 1000,
+        stream_calls: bool = False,
     ) -> None:
         self.address = address
         self.kind = kind
@@ -137,6 +139,11 @@ class WorkerClient:
         self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
         # ModelInfer on the data channel, serializing requests whose large tensors are kept aside (protos.wire).
         self._model_infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        # With stream_calls, small inference calls to an infergate worker go as
+        # messages of one stream (gateway.fleet.worker_stream); large ones stay
+        # unary, so a big tensor never holds up the stream's other messages.
+        self._stream_calls = stream_calls and kind == "infergate"
+        self._stream: InferStream | None = None
         self._collective: CollectiveStub | None = None
         self._closed = False
 
@@ -234,6 +241,12 @@ class WorkerClient:
     async def infer(
         self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
+        if self._stream_calls and not isinstance(request, wire.RawInferRequest):
+            answer = await self._streamed(request, timeout_s)
+            if not answer.error_message:
+                return answer.infer_response
+            # A stream message carries no status code: the same request once
+            # more as a unary call answers with the worker's own status.
         self._service(_DATA)  # opens the data channel (or raises when closed)
         if self._model_infer is None:
             self._model_infer = self._channels[_DATA].unary_unary(
@@ -242,6 +255,25 @@ class WorkerClient:
                 response_deserializer=service_pb2.ModelInferResponse.FromString,
             )
         return await self._call(self._model_infer, request, timeout_s, _DATA)
+
+    async def _streamed(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> service_pb2.ModelStreamInferResponse:
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._stream is None:
+            method = self._channels[_DATA].stream_stream(
+                f"/{_SERVICE}/ModelStreamInfer",
+                request_serializer=None,  # InferStream sends serialized messages
+                response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+            )
+            self._stream = InferStream(lambda: method(metadata=self._call_metadata), self.address)
+        try:
+            answer = await self._stream.infer(request, timeout_s)
+        except StreamLost as e:
+            raise WorkerUnreachable(e.message) from None
+        # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
+        answer.infer_response.id = request.id
+        return answer
 
     # ---- collective groups (infergate workers only) ---------------------------
 
@@ -337,6 +369,9 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.close(grace_s)
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         self._collective = self._model_infer = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))
