@@ -92,6 +92,8 @@ class GatewayConfig:
     # from the replica: its execution slots for the model (busy), plus one (max).
     max_inflight_per_replica: int = 0
     busy_inflight_per_replica: int = 0
+    # "unary" or "stream": see gateway.fleet.worker_stream.
+    worker_calls: str = "unary"
     probe_interval_s: float = 2.0
     probe_failures_to_down: int = 2
     # One probe's bound: a worker alive but unreachable (a cut link) is found only
@@ -351,10 +353,11 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 
 
 def _validate(config: GatewayConfig) -> None:
-    if config.batching_mode not in BATCHING_MODES:
-        raise ConfigError(f"batching_mode must be one of {BATCHING_MODES}, got {config.batching_mode!r}")
-    if config.model_control_mode not in MODEL_CONTROL_MODES:
-        raise ConfigError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {config.model_control_mode!r}")
+    choices = {"worker_calls": ("unary", "stream"), "batching_mode": BATCHING_MODES,
+               "model_control_mode": MODEL_CONTROL_MODES}
+    for key, allowed in choices.items():
+        if getattr(config, key) not in allowed:
+            raise ConfigError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
     for key in ("max_queue_size", "probe_failures_to_down", "max_request_bytes"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")

@@ -304,7 +304,8 @@ class Gateway:
         for r in batch:
             r.dispatched = start
         rows = [r.rows for r in batch]
-        pb = build_batch_request(name, version, batch, rows, batched)
+        # Split models read the message's contents: they get them inside it.
+        pb = build_batch_request(name, version, batch, rows, batched, raw_aside=not self.parallel.serves(name))
         deadlines = [r.deadline for r in batch if r.deadline is not None]
         # The batch may live as long as its most patient member; members whose
         # deadline passes while queued were dropped by the batcher already.

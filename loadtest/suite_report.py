@@ -90,7 +90,9 @@ def format_markdown(results: Mapping[str, Any]) -> str:
             lines.append(markdown_table(section["columns"], section["rows"]))
         else:
             lines.append("(no rows: the section did not complete)")
-        notes = section.get("notes") or []
+        notes = list(section.get("notes") or [])
+        if section.get("measured"):
+            notes.append(f"not re-run this time: measured {section['measured']}")
         if notes:
             lines.append("")
             lines += [f"- {note}" for note in notes]
@@ -109,11 +111,71 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _read_previous(out_dir: Path) -> tuple[dict[str, Any], str]:
+    """The results.json and results.md already in ``out_dir`` (empty when absent or unreadable)."""
+    try:
+        previous = orjson.loads((out_dir / "results.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        previous = {}
+    try:
+        markdown = (out_dir / "results.md").read_text()
+    except OSError:
+        markdown = ""
+    return (previous if isinstance(previous, dict) else {}), markdown
+
+
+def hand_added_blocks(markdown: str, suite_titles: set[str]) -> list[str]:
+    """The ``## `` sections of ``markdown`` the suite did not write (titles not in ``suite_titles``), verbatim."""
+    blocks: list[str] = []
+    current: list[str] | None = None
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            if current is not None:
+                blocks.append("\n".join(current).strip())
+            current = [line] if line[3:].strip() not in suite_titles else None
+        elif current is not None:
+            current.append(line)
+    if current is not None:
+        blocks.append("\n".join(current).strip())
+    return [b for b in blocks if b]
+
+
+def merge_previous(results: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
+    """``results`` plus the previous run's sections this run did not measure (``--only``), marked as such.
+
+    Sections keep the previous file's order; sections new to it come last.
+    """
+    merged = dict(results)
+    fresh = {s.get("key"): s for s in results.get("sections", [])}
+    when = previous.get("meta", {}).get("date", "an earlier run")
+    sections = []
+    for section in previous.get("sections", []):
+        key = section.get("key")
+        if key in fresh:
+            sections.append(fresh.pop(key))
+        elif not section.get("failed"):
+            sections.append(dict(section, measured=section.get("measured") or when))
+    merged["sections"] = [*sections, *fresh.values()]
+    return merged
+
+
 def write_results(results: Mapping[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    """Write ``results.json`` and ``results.md`` into ``out_dir``; returns their paths."""
+    """Write ``results.json`` and ``results.md`` into ``out_dir``; returns their paths.
+
+    What was there is not lost: sections of the previous results.json this run
+    did not measure stay (each saying when it was measured), and ``## ``
+    sections added to results.md by hand (other benchmarks' tables) stay at
+    its end, verbatim.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
-    cleaned = _clean(results)
+    previous, old_markdown = _read_previous(out_dir)
+    suite_titles = {str(s.get("title", "")) for s in previous.get("sections", [])}
+    extra = hand_added_blocks(old_markdown, suite_titles)
+    cleaned = _clean(merge_previous(results, previous))
     json_path.write_bytes(orjson.dumps(cleaned, option=orjson.OPT_INDENT_2) + b"\n")
-    md_path.write_text(format_markdown(cleaned))
+    markdown = format_markdown(cleaned)
+    if extra:
+        markdown = markdown + "\n" + "\n\n".join(extra) + "\n"
+    md_path.write_text(markdown)
     return json_path, md_path

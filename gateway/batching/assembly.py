@@ -13,7 +13,7 @@ from typing import Protocol
 from tritonclient.grpc import service_pb2
 
 from gateway.types import InferRequest, InferResponse, Tensor
-from protos import codec
+from protos import codec, wire
 from protos.errors import Internal
 
 log = logging.getLogger(__name__)
@@ -27,22 +27,33 @@ class Sender(Protocol):
     ) -> service_pb2.ModelInferResponse: ...
 
 
-def build_batch_request(model: str, version: str, batch: list[InferRequest], rows: list[int], batched: bool) -> service_pb2.ModelInferRequest:
-    """One ModelInferRequest carrying every row of ``batch`` (inputs already in model order)."""
+def build_batch_request(
+    model: str, version: str, batch: list[InferRequest], rows: list[int], batched: bool, *, raw_aside: bool = True
+) -> service_pb2.ModelInferRequest | wire.RawInferRequest:
+    """One ModelInferRequest carrying every row of ``batch`` (inputs already in model order).
+
+    Large inputs (:data:`protos.wire.SPLIT_MIN_BYTES` together or more) stay
+    out of the message when ``raw_aside`` (a ``protos.wire.RawInferRequest``,
+    which the worker client serializes with one join): a request's tensors
+    reach the worker without being copied into protobuf. Callers that read
+    the message's contents themselves pass ``raw_aside=False``.
+    """
     first = batch[0]
     pb = service_pb2.ModelInferRequest(model_name=model, model_version=version)
-    if len(batch) == 1:
+    single = len(batch) == 1
+    if single:
         pb.id = first.id
     total = sum(rows)
+    raws: list[bytes | memoryview] = []
     for index, tensor in enumerate(first.inputs):
         shape = [total, *tensor.shape[1:]] if batched else list(tensor.shape)
         pb.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=shape)
-        if len(batch) == 1:
-            pb.raw_input_contents.append(bytes(tensor.data))
-        else:
-            pb.raw_input_contents.append(codec.concat_rows([r.inputs[index].data for r in batch]))
+        raws.append(tensor.data if single else codec.concat_rows([r.inputs[index].data for r in batch]))
     for out in first.outputs:
         pb.outputs.add(name=out.name)
+    if raw_aside and sum(memoryview(r).nbytes for r in raws) >= wire.SPLIT_MIN_BYTES:
+        return wire.RawInferRequest(pb, raws)
+    pb.raw_input_contents.extend(r if isinstance(r, bytes) else bytes(r) for r in raws)
     return pb
 
 

@@ -28,7 +28,8 @@ from typing import TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from protos import collective_pb2
+from protos import collective_pb2, wire
+from gateway.fleet.worker_stream import InferStream, StreamLost
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 from serverkit import tracing
@@ -40,6 +41,7 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # The two channels of a client: bulk calls, and the small calls probes make.
 _DATA = "data"
+_SERVICE = "inference.GRPCInferenceService"
 _CONTROL = "control"
 
 # Codes a broken connection surfaces as. UNAVAILABLE is the usual one; a
@@ -108,6 +110,7 @@ class WorkerClient:
         headers: Mapping[str, str] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         reconnect_backoff_max_ms: int = 1000,
+        stream_calls: bool = False,
     ) -> None:
         self.address = address
         self.kind = kind
@@ -135,6 +138,13 @@ class WorkerClient:
         # created on, and clients may be built before the gateway's loop runs.
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
+        # ModelInfer on the data channel, serializing requests whose large tensors are kept aside (protos.wire).
+        self._model_infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        # With stream_calls, small inference calls to an infergate worker go as
+        # messages of one stream (gateway.fleet.worker_stream); large ones stay
+        # unary, so a big tensor never holds up the stream's other messages.
+        self._stream_calls = stream_calls and kind == "infergate"
+        self._stream: InferStream | None = None
         self._collective: CollectiveStub | None = None
         self._closed = False
 
@@ -231,14 +241,57 @@ class WorkerClient:
             raise WorkerUnreachable(f"worker {self.address}: inference connection not ready") from None
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
+        self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
-        if tracing.tracer is None:  # tracing off: this one check
-            return await self._call(self._service().ModelInfer, request, timeout_s, _DATA)
-        # Under a traced batch: a span for this call, and its traceparent to the worker (W3C trace context).
-        with tracing.client_span(f"worker call {request.model_name}", {"infergate.worker": self.address}) as extra:
-            metadata = grpc.aio.Metadata(*self._metadata, *extra) if extra else None
-            return await self._call(self._service().ModelInfer, request, timeout_s, _DATA, metadata)
+        if tracing.tracer is not None:
+            # Under a traced batch: a span for this call, and its traceparent to the worker (W3C trace context).
+            pb = request.header if isinstance(request, wire.RawInferRequest) else request
+            with tracing.client_span(f"worker call {pb.model_name}", {"infergate.worker": self.address}) as extra:
+                if extra:  # a unary call: the stream has no per-request metadata
+                    metadata = grpc.aio.Metadata(*self._metadata, *extra)
+                    return await self._call(self._unary_infer(), request, timeout_s, _DATA, metadata)
+                return await self._infer(request, timeout_s)
+        return await self._infer(request, timeout_s)
+
+    async def _infer(
+        self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, timeout_s: float | None
+    ) -> service_pb2.ModelInferResponse:
+        if self._stream_calls and not isinstance(request, wire.RawInferRequest):
+            answer = await self._streamed(request, timeout_s)
+            if not answer.error_message:
+                return answer.infer_response
+            # A stream message carries no status code: the same request once
+            # more as a unary call answers with the worker's own status.
+        return await self._call(self._unary_infer(), request, timeout_s, _DATA)
+
+    def _unary_infer(self) -> Callable[..., Awaitable[service_pb2.ModelInferResponse]]:
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._model_infer is None:
+            self._model_infer = self._channels[_DATA].unary_unary(
+                f"/{_SERVICE}/ModelInfer",
+                request_serializer=wire.serialize,
+                response_deserializer=service_pb2.ModelInferResponse.FromString,
+            )
+        return self._model_infer
+
+    async def _streamed(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> service_pb2.ModelStreamInferResponse:
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._stream is None:
+            method = self._channels[_DATA].stream_stream(
+                f"/{_SERVICE}/ModelStreamInfer",
+                request_serializer=None,  # InferStream sends serialized messages
+                response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+            )
+            self._stream = InferStream(lambda: method(metadata=self._call_metadata), self.address)
+        try:
+            answer = await self._stream.infer(request, timeout_s)
+        except StreamLost as e:
+            raise WorkerUnreachable(e.message) from None
+        # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
+        answer.infer_response.id = request.id
+        return answer
 
     # ---- collective groups (infergate workers only) ---------------------------
 
@@ -334,6 +387,9 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.close(grace_s)
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        self._collective = None
+        self._collective = self._model_infer = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))

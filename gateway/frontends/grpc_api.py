@@ -31,7 +31,8 @@ from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from gateway.types import InferenceCore, InferRequest
-from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
+from protos import wire
+from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
 
 _log = logging.getLogger(__name__)
 
@@ -182,13 +183,19 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- inference
 
     @_unary_edge
-    async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
-        req = decode_infer_request(request, shm=self._shm)
+    async def ModelInfer(
+        self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, context: Any
+    ) -> service_pb2.ModelInferResponse | wire.RawInferResponse:
+        # A large message arrives with its tensors kept aside (see add_grpc_services).
+        if isinstance(request, wire.RawInferRequest):
+            req = decode_infer_request(request.header, raw=request.raw, shm=self._shm)
+        else:
+            req = decode_infer_request(request, shm=self._shm)
         _apply_client_deadline(req, context)
         # Awaited in the RPC's own task: a client cancel or an expired deadline
         # cancels this task, and with it everything the core awaits for us.
         with self._tracing.request(req, context.invocation_metadata, "GRPC"):  # a no-op unless traced
-            return encode_infer_response(await self._core.infer(req), req)
+            return encode_infer_response(await self._core.infer(req), req, raw_aside=True)
 
     async def _stream_one(
         self, pb: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -430,6 +437,13 @@ def add_grpc_services(
     servicer.serving = serving
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     health = _HealthServicer(("", SERVICE_NAME), status)
+    # ModelInfer with the large-message codec (protos.wire): tensors of a large
+    # request stay views of the received bytes and large outputs are written
+    # without a copy into protobuf. Registered first, so it is the one found.
+    infer = grpc.unary_unary_rpc_method_handler(
+        servicer.ModelInfer, request_deserializer=wire.parse_infer_request, response_serializer=wire.serialize
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"ModelInfer": infer}),))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     return GrpcFrontend(servicer, health)

@@ -98,6 +98,16 @@ def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) ->
 
 
 def _unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    # Per call, only the isinstance test: whether ``inner`` is a coroutine
+    # function is decided once, here, not by inspecting each result.
+    if inspect.iscoroutinefunction(inner):
+        async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await _refuse(context, request)
+            return await inner(request, context)
+
+        return coroutine
+
     async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
             await _refuse(context, request)

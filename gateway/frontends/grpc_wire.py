@@ -6,6 +6,7 @@ parameters, requested outputs) and :class:`InferResponse` ->
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tritonclient.grpc import service_pb2
@@ -14,7 +15,7 @@ from gateway.frontends.classification import PARAMETER as CLASSIFICATION
 from gateway.frontends.classification import class_count
 from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
-from protos import codec
+from protos import codec, wire
 from protos.errors import InvalidArgument, Unsupported
 
 # Request parameters the frontend consumes itself rather than passing on.
@@ -78,6 +79,7 @@ def _tensor_parameters(
 def decode_infer_request(
     pb: service_pb2.ModelInferRequest,
     *,
+    raw: Sequence[bytes | memoryview] | None = None,
     allowed_reserved: frozenset[str] = frozenset(),
     shm: SharedMemoryRegistry | None = None,
 ) -> InferRequest:
@@ -87,9 +89,13 @@ def decode_infer_request(
     ``raw_input_contents`` (in order, one entry per input not in shared
     memory) or else from each input's typed ``contents``. Byte sizes of raw
     inputs are checked by the core against the model; typed contents are
-    converted (and counted) here.
+    converted (and counted) here. ``raw`` stands in for the message's own
+    ``raw_input_contents`` when a large message kept them aside
+    (``protos.wire.RawInferRequest``): the tensors then stay views of the
+    received bytes.
     """
-    raw = pb.raw_input_contents
+    if raw is None:
+        raw = pb.raw_input_contents
     # Per request: protobuf field reads are the cost here, so each is read once.
     decoded = [_tensor_parameters(t.parameters, "input", t.name, shm) for t in pb.inputs]
     in_body = sum(1 for _, window in decoded if window is None)
@@ -112,7 +118,7 @@ def decode_infer_request(
                     f"contents field must not be specified when using raw_input_contents for '{name}' "
                     f"for model '{pb.model_name}'"
                 )
-            data: bytes = raw[index]
+            data: bytes | memoryview = raw[index]
             index += 1
         else:
             data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
@@ -162,11 +168,16 @@ def decode_infer_request(
     )
 
 
-def encode_infer_response(resp: InferResponse, request: InferRequest) -> service_pb2.ModelInferResponse:
+def encode_infer_response(
+    resp: InferResponse, request: InferRequest, *, raw_aside: bool = False
+) -> service_pb2.ModelInferResponse | wire.RawInferResponse:
     """The ``ModelInferResponse`` of ``resp``: every output in raw_output_contents, id echoed.
 
     An output requested into a shared-memory region is written there and its
-    raw_output_contents entry is empty, as Triton's.
+    raw_output_contents entry is empty, as Triton's. With ``raw_aside``,
+    outputs of :data:`protos.wire.SPLIT_MIN_BYTES` or more together stay out
+    of the message (``protos.wire.RawInferResponse``, for a serializer that
+    takes one): large tensors are then not copied into protobuf first.
     """
     regions = {o.name: o.region for o in request.outputs if o.region is not None}
     pb = service_pb2.ModelInferResponse(
@@ -176,6 +187,7 @@ def encode_infer_response(resp: InferResponse, request: InferRequest) -> service
         for key, value in resp.parameters.items():
             if not key.startswith("_"):  # underscore keys are the gateway's own bookkeeping
                 _set_param(pb.parameters[key], value)
+    raws: list[bytes | memoryview] = []
     for tensor in resp.outputs:
         out = pb.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         if tensor.parameters:
@@ -185,7 +197,10 @@ def encode_infer_response(resp: InferResponse, request: InferRequest) -> service
         window = regions.get(tensor.name) if regions else None
         if window is not None:
             write_output(window, tensor.name, data)
-            pb.raw_output_contents.append(b"")
+            raws.append(b"")
             continue
-        pb.raw_output_contents.append(data if isinstance(data, bytes) else bytes(data))
+        raws.append(data)
+    if raw_aside and sum(memoryview(r).nbytes for r in raws) >= wire.SPLIT_MIN_BYTES:
+        return wire.RawInferResponse(pb, raws)
+    pb.raw_output_contents.extend(r if isinstance(r, bytes) else bytes(r) for r in raws)
     return pb

@@ -121,7 +121,8 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
         headers: dict[str, Any] = dict(spec.headers)
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
-        return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials)
+        return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials,
+                            stream_calls=config.worker_calls == "stream")
 
     return make
 

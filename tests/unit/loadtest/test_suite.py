@@ -81,6 +81,24 @@ def test_write_results_writes_json_and_the_same_markdown(tmp_path: Path) -> None
     assert md_path.read_text() == format_markdown(data)
 
 
+def test_rewriting_keeps_hand_added_sections_and_sections_not_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    _, md_path = write_results(sample_results(), out)
+    hand = "## Large tensors over capped links\n\n`python bench/netsim_bench.py`: by hand.\n\n| a |\n|:---|\n| 1 |"
+    md_path.write_text(md_path.read_text() + "\n" + hand + "\n")
+    ceiling = SectionResult("ceiling", "Light model", (Column("c", "clients", "d"),), ({"c": 64},))
+    later = {"meta": {"date": "2030-02-03 04:05 UTC"}, "sections": [ceiling.to_dict()]}
+    for _ in range(2):  # a second rewrite neither loses nor doubles anything
+        json_path, _ = write_results(later, out)
+        text = md_path.read_text()
+        titles = [line for line in text.splitlines() if line.startswith("## ")]
+        assert titles == ["## Gateway overhead", "## Light model", "## Large tensors over capped links"]
+        assert "- not re-run this time: measured 2030-01-02 03:04 UTC" in text  # the overhead section's own run
+        assert text.rstrip().endswith(hand) and text.count("by hand") == 1
+        keys = [s["key"] for s in json.loads(json_path.read_text())["sections"]]
+        assert keys == ["overhead", "ceiling"]  # the old order; the failed section of the old run is not carried
+
+
 def test_sections_run_in_order_and_new_ones_can_be_added(monkeypatch: pytest.MonkeyPatch) -> None:
     assert suite.section_names()[:4] == ["sim_check", "overhead", "batching", "scale"]
     monkeypatch.setattr(suite, "_SECTIONS", dict(suite._SECTIONS))
