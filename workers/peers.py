@@ -131,6 +131,10 @@ class _Link:
         self.stub = CollectiveStub(self.channel)
         self.address = address
         self._metadata = access.metadata
+        # With TLS a peer that refuses the handshake looks like a closed socket: say what it checks.
+        self._hint = "" if access.credentials is None else (
+            " (peers must accept this worker's certificate as a client certificate: signed by their"
+            " --tls-client-ca, extended key usage clientAuth)")
         self._stream: grpc.aio.StreamUnaryCall[PeerMessage, ExchangeResponse] | None = None
         self._lock = asyncio.Lock()  # one write at a time on the stream
 
@@ -143,7 +147,7 @@ class _Link:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 stream, self._stream = self._stream, None
                 stream.cancel()
-                raise PeerUnavailable(f"peer {self.address} unreachable: {_details(e)}") from None
+                raise PeerUnavailable(f"peer {self.address} unreachable: {_details(e)}{self._hint}") from None
 
     async def run(self, request: RunRequest, timeout_s: float) -> RunResponse:
         try:
@@ -152,7 +156,7 @@ class _Link:
             if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"peer {self.address}: {e.details()}") from None
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                raise PeerUnavailable(f"peer {self.address}: {e.details()}") from None
+                raise PeerUnavailable(f"peer {self.address}: {e.details()}{self._hint}") from None
             raise _from_status(e) from None
 
     async def close(self) -> None:
