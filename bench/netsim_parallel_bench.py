@@ -77,7 +77,8 @@ def markdown(links: dict[str, dict[str, dict[str, float]]], options: dict[str, A
     lines = [
         LARGE_SECTION if large else SECTION,
         "",
-        f"`python bench/netsim_parallel_bench.py{' --large' if large else ''}`: parallel_bench's rows "
+        f"`python bench/netsim_parallel_bench.py --rates {options.get('rates', '')}{' --large' if large else ''}`: "
+        "parallel_bench's rows "
         f"({options['workers']} ONNX Runtime workers of one intra-op thread, "
         f"single-row requests of {options['seq']} tokens; latency = {options['requests']} sequential requests per "
         f"model, throughput = {options['clients']} concurrent loops for {options['duration_s']:g} s) with the workers "
@@ -138,8 +139,9 @@ def main() -> int:
     options = {"workers": args.workers, "seq": args.seq, "requests": args.requests, "block": args.block,
                "clients": args.clients,
                "duration_s": args.duration_s, "large": args.large}
+    shown = {**options, "rates": args.rates}
     links = run(repo, [float(r) for r in args.rates.split(",") if r], options)
-    text = markdown(links, options)
+    text = markdown(links, shown)
     print(text)
     if args.out:
         write_section(args.out, text, LARGE_SECTION if args.large else SECTION)
