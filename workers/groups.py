@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos.collective_pb2 import Boundary, PeerMessage, RunRequest, RunResponse, SetupGroupRequest, Step
-from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, from_message, to_message
+from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, fill_message, from_message, to_message
 from protos.errors import InvalidArgument, Unavailable
 from workers.manager import ModelManager
 from workers.peers import BatchKey, Mailbox, PeerLinks
@@ -172,7 +172,8 @@ class _PeerHops:
     async def send(self, part: int, target: int, chunk: np.ndarray) -> None:
         group = self._group
         message = PeerMessage(group_id=group.id, epoch=group.epoch, batch_id=self._key[2], step=self._step, part=part,
-                              source_rank=group.rank, target_rank=target, tensor=to_message(self._name, chunk))
+                              source_rank=group.rank, target_rank=target)
+        fill_message(message.tensor, self._name, chunk)
         await self._links.send(group.peers[target], message)
 
     async def receive(self, part: int, source: int) -> np.ndarray:
