@@ -1,18 +1,23 @@
 """Model parallelism over capped links: ``bench/parallel_bench.py``'s table
-(``encoder`` unsplit, TP2, PP2, 2 x TP2) with the workers on loopback and
-then each behind its own network link capped at each ``--rates`` value.
+(``encoder`` unsplit, TP2 and PP2 on peer collectives and on the gateway's
+star, 2 x TP2; with ``--large``, ``encoder_large`` unsplit, TP2 on peers and
+on the star, TP4, PP2) with the workers on loopback and then each behind its
+own network link capped at each ``--rates`` value.
 
 The capped rows put every worker in its own network namespace, joined to the
-root namespace by a veth link with an ``htb`` cap each way (tests/netsim.py);
-the gateway core runs in this process in the root namespace, exactly as in
-parallel_bench. Every collective today goes through the gateway (it sends
-each rank its inputs and sums or concatenates what the ranks return), so
-every shard call crosses one worker's link twice: the rows show what the
-split models' traffic costs on a network that has a bandwidth limit.
+root namespace's bridge by a veth link with an ``htb`` cap each way
+(tests/netsim.py); the gateway core runs in this process in the root
+namespace, exactly as in parallel_bench. On peer collectives the ranks send
+their partial sums to each other: a part leaves one worker's link and
+enters another's, and the gateway's link carries only the batch and the
+answer. On the star every partial crosses a worker's link to the gateway and
+the sum comes back the same way. The rows show what each path's traffic
+costs on a network that has a bandwidth limit.
 
 Needs root, ``ip`` and ``tc`` for the capped rows (left out otherwise). Run:
-``python bench/netsim_parallel_bench.py [--rates 1000,10000] [--out bench/results.md]
-[--json rows.json]``; ``--out`` replaces this benchmark's section of that file.
+``python bench/netsim_parallel_bench.py [--rates 1000,10000] [--large --seq 128]
+[--out bench/results.md] [--json rows.json]``; ``--out`` replaces this
+benchmark's section of that file (``--large`` has its own section).
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ from bench.parallel_bench import WORKER_ARGS, measure  # noqa: E402
 from tests.netsim import NetSim, unavailable  # noqa: E402
 
 SECTION = "## Model parallelism over capped links"
-LABELS = {"encoder": "encoder", "encoder_tp2": "TP2", "encoder_pp2": "PP2", "encoder_hybrid": "2 x TP2"}
+LARGE_SECTION = "## Large model split over capped links (encoder_large)"
+LABELS = {"encoder": "encoder", "encoder_tp2": "TP2 peers", "encoder_tp2_star": "TP2 star", "encoder_pp2": "PP2 peers",
+          "encoder_pp2_star": "PP2 star", "encoder_hybrid": "2 x TP2 peers",
+          "encoder_large": "encoder_large", "encoder_large_tp2": "TP2 peers", "encoder_large_tp2_star": "TP2 star",
+          "encoder_large_tp4": "TP4 peers (ring)", "encoder_large_pp2": "PP2 peers"}
 
 
 def run(repo: Path, rates_mbit: list[float], options: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
@@ -64,18 +73,21 @@ def run(repo: Path, rates_mbit: list[float], options: dict[str, Any]) -> dict[st
 
 
 def markdown(links: dict[str, dict[str, dict[str, float]]], options: dict[str, Any]) -> str:
+    large = options.get("large", False)
     lines = [
-        SECTION,
+        LARGE_SECTION if large else SECTION,
         "",
-        f"`python bench/netsim_parallel_bench.py`: parallel_bench's rows ({options['workers']} ONNX Runtime workers, "
+        f"`python bench/netsim_parallel_bench.py --rates {options.get('rates', '')}{' --large' if large else ''}`: "
+        "parallel_bench's rows "
+        f"({options['workers']} ONNX Runtime workers of one intra-op thread, "
         f"single-row requests of {options['seq']} tokens; latency = {options['requests']} sequential requests per "
         f"model, throughput = {options['clients']} concurrent loops for {options['duration_s']:g} s) with the workers "
         f"on loopback, then each behind its own capped link; {os.cpu_count()} CPU cores, {date.today().isoformat()}, "
         f"load average {os.getloadavg()[0]:.1f} at the end.",
         "",
-        "| link gateway <-> each worker | model | p50 ms | p99 ms | rows/s | mean batch | shard calls/req "
-        "| remote ms/req | collective ms/req | KiB moved/req |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link of each worker | model | p50 ms | p99 ms | rows/s | mean batch | gateway calls/req "
+        "| remote ms/req | collective ms/req | KiB gateway<->workers/req | KiB worker<->worker/req |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for link, rows in links.items():
         for model, r in rows.items():
@@ -83,16 +95,19 @@ def markdown(links: dict[str, dict[str, dict[str, float]]], options: dict[str, A
                      f"{r['rows_per_s']:,.0f}", f"{r['mean_batch']:.1f}"]
             if "shard_calls_per_req" in r:
                 cells += [f"{r['shard_calls_per_req']:.0f}", f"{r['remote_ms_per_req']:.2f}",
-                          f"{r['collective_ms_per_req']:.2f}", f"{r['kib_moved_per_req']:,.0f}"]
+                          f"{r['collective_ms_per_req']:.2f}", f"{r['kib_moved_per_req']:,.0f}",
+                          f"{r['peer_kib_per_req']:,.0f}"]
             else:
-                cells += ["1", "-", "-", "-"]
+                cells += ["1", "-", "-", "-", "-"]
             lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "- every collective goes through the gateway: each shard call is one gateway <-> worker round trip over "
-        "that worker's link; remote ms = time waiting on workers, collective ms = the rest of the plan (the "
-        "gateway decoding, summing, concatenating, encoding), both per request at batch 1; KiB moved = bytes "
-        "sent to and received from workers per request",
+        "- peers: one gateway call per rank (TP) or one per batch (PP); the ranks' partial sums go worker to worker, "
+        "each leaving one worker's link and entering another's (KiB worker<->worker = the bytes all ranks sent; "
+        "a ring from 3 ranks up). star: one gateway <-> worker round trip per rank per segment over that worker's "
+        "link, the gateway summing and concatenating",
+        "- remote ms = time waiting on workers, collective ms = the rest of the plan at the gateway, both per "
+        "request at batch 1; KiB gateway<->workers = bytes sent to and received from workers per request",
         "- links are veth pairs between network namespaces with an htb rate cap each way (tests/netsim.py): "
         "bandwidth only, no added delay or loss; every worker and the gateway share the machine's cores",
         "",
@@ -107,8 +122,10 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32, help="tokens per request")
     parser.add_argument("--requests", type=int, default=200, help="latency samples per model")
+    parser.add_argument("--block", type=int, default=20, help="latency requests per model per turn (1: interleaved)")
     parser.add_argument("--clients", type=int, default=64, help="concurrent single-row loops for throughput")
     parser.add_argument("--duration-s", type=float, default=5.0)
+    parser.add_argument("--large", action="store_true", help="encoder_large and its splits (big activations)")
     parser.add_argument("--out", type=Path, help="write the section into this Markdown file")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
@@ -118,14 +135,16 @@ def main() -> int:
         from models.build import build_repository
 
         repo = Path(tempfile.mkdtemp(prefix="netsim-parallel-models-")) / "models"
-        build_repository(repo)
-    options = {"workers": args.workers, "seq": args.seq, "requests": args.requests, "clients": args.clients,
-               "duration_s": args.duration_s}
+        build_repository(repo, large=args.large)
+    options = {"workers": args.workers, "seq": args.seq, "requests": args.requests, "block": args.block,
+               "clients": args.clients,
+               "duration_s": args.duration_s, "large": args.large}
+    shown = {**options, "rates": args.rates}
     links = run(repo, [float(r) for r in args.rates.split(",") if r], options)
-    text = markdown(links, options)
+    text = markdown(links, shown)
     print(text)
     if args.out:
-        write_section(args.out, text, SECTION)
+        write_section(args.out, text, LARGE_SECTION if args.large else SECTION)
     if args.json:
         args.json.write_text(json.dumps(links, indent=2))
     return 0

@@ -1,6 +1,7 @@
 """Model parallelism: ``encoder`` unsplit vs TP2 vs PP2 vs hybrid (2 x TP2),
 each on peer collectives and, for comparison, on the gateway's star; with
-``--large``, ``encoder_large`` unsplit on one worker vs TP2, TP4 and PP2.
+``--large``, ``encoder_large`` unsplit on one worker vs TP2 (peers and
+star), TP4 (a ring on peers) and PP2.
 
 One gateway core runs in this process in front of N worker processes
 (``infergate worker``, as ``infergate up`` starts them, one intra-op thread
@@ -52,6 +53,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 LARGE_MODELS: dict[str, dict[str, Any]] = {
     "encoder_large_tp2": {"from": "encoder_large", "tensor_parallel": 2},
+    "encoder_large_tp2_star": {"from": "encoder_large", "tensor_parallel": 2, "collectives": "gateway"},
     "encoder_large_tp4": {"from": "encoder_large", "tensor_parallel": 4},
     "encoder_large_pp2": {"from": "encoder_large", "pipeline_parallel": 2},
 }
@@ -207,6 +209,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32, help="tokens per request")
     parser.add_argument("--requests", type=int, default=200, help="latency samples per model")
+    parser.add_argument("--block", type=int, default=20,
+                        help="latency requests per model before the next model's turn (1: strictly interleaved)")
     parser.add_argument("--clients", type=int, default=64, help="concurrent single-row loops for throughput")
     parser.add_argument("--duration-s", type=float, default=5.0)
     parser.add_argument("--large", action="store_true",
@@ -221,7 +225,7 @@ def main() -> int:
         repo = Path(tempfile.mkdtemp(prefix="parallel-bench-models-")) / "models"
         build_repository(repo, large=args.large)
     rows = run_parallel_bench(repo, large=args.large, workers=args.workers, seq=args.seq, requests=args.requests,
-                              clients=args.clients, duration_s=args.duration_s)
+                              block=args.block, clients=args.clients, duration_s=args.duration_s)
     print(format_rows(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -88,7 +88,7 @@ def run_parallel_large(ctx: SuiteContext) -> SectionResult:
         return SectionResult(key="parallel_large", title=title, columns=LARGE_COLUMNS,
                              notes=("skipped: no repository with encoder_large (run `make bench`, or pass "
                                     "--large-repository DIR built by `infergate models build DIR --large`)",))
-    ctx.progress("model parallelism: encoder_large unsplit vs TP2, TP4, PP2 on 4 workers")
+    ctx.progress("model parallelism: encoder_large unsplit vs TP2 (peers, star), TP4, PP2 on 4 workers")
     quick = ("--requests", "3", "--duration-s", "1") if ctx.settings.quick else ("--requests", "20", "--duration-s", "6")
     rows = _bench(ctx, repository, ctx.workdir / "parallel_large.json", "--large", "--seq", "128", "--clients", "8",
                   *quick)

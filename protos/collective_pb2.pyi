@@ -103,7 +103,7 @@ class RunResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., peer_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("group_id", "epoch", "batch_id", "step", "source_rank", "tensor", "target_rank")
+    __slots__ = ("group_id", "epoch", "batch_id", "step", "source_rank", "tensor", "target_rank", "part")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class PeerMessage(_message.Message):
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     epoch: int
     batch_id: int
@@ -118,7 +119,8 @@ class PeerMessage(_message.Message):
     source_rank: int
     tensor: Tensor
     target_rank: int
-    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., target_rank: _Optional[int] = ...) -> None: ...
+    part: int
+    def __init__(self, group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., batch_id: _Optional[int] = ..., step: _Optional[int] = ..., source_rank: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., target_rank: _Optional[int] = ..., part: _Optional[int] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
     __slots__ = ()

@@ -5,8 +5,8 @@ Triton-layout repository with ONNX Runtime (or the simulated accelerator).
 loads and unloads models from ``repository``; ``backends`` run them;
 ``registration`` joins a gateway; ``collective_service`` serves the
 collective protocol: ``groups`` runs a split model's ranks with the worker's
-peers, over ``peers`` (links and the mailbox); ``metrics``, ``stats`` and
-``auth`` as named.
+peers, over ``peers`` (links and the mailbox), summing as a ring from three
+ranks up (``ring``); ``metrics``, ``stats`` and ``auth`` as named.
 
 May import: ``protos``, ``serverkit``; never ``gateway``. A request enters at
 ``service.InferenceService.ModelInfer``.

@@ -2,10 +2,12 @@
 its peers, and how one rank runs one batch (``protos/collective.proto``).
 
 Tensor parallel: every rank holds the batch's inputs, runs its steps in
-order, and at each boundary sends its part to every other rank and waits for
-theirs (direct exchange: one hop, (N-1) parts out per rank), then joins them
-in rank order -- every rank ends with the same bytes. Rank 0 answers with the
-outputs.
+order, and at each boundary joins its part with the other ranks'. Direct
+exchange (two ranks, and every concatenation): send its part to every other
+rank and wait for theirs (one hop, (N-1) parts out per rank), then join them
+in rank order. A sum from ``ring.RING_MIN_RANKS`` ranks up: a ring
+(``ring``), 2(N-1)/N of the tensor out per rank. Either way every rank ends
+with the same bytes. Rank 0 answers with the outputs.
 
 Pipeline: the stage runs its step, then calls the next stage's ``Run`` with
 the tensors the stages after it read, and answers with what the last stage
@@ -26,11 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos.collective_pb2 import PeerMessage, RunRequest, RunResponse, SetupGroupRequest, Step
-from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, from_message, to_message
+from protos.collective_pb2 import Boundary, PeerMessage, RunRequest, RunResponse, SetupGroupRequest, Step
+from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, fill_message, from_message, to_message
 from protos.errors import InvalidArgument, Unavailable
 from workers.manager import ModelManager
 from workers.peers import BatchKey, Mailbox, PeerLinks
+from workers.ring import RING_MIN_RANKS, first_error, ring_allreduce
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +116,8 @@ class Groups:
             sent = await self._run_rank(group, key, store, deadline)
         finally:
             self._mailbox.finish(key, group.rank)
-        response = RunResponse(peer_bytes=sent)
-        if group.rank == 0:
-            response.outputs.extend(to_message(name, store[name]) for name in request.outputs)
-        return response
+        # The gateway names outputs for rank 0 only; any rank answers those its request names.
+        return RunResponse(peer_bytes=sent, outputs=[to_message(name, store[name]) for name in request.outputs])
 
     async def _run_step(self, step: Step, store: dict[str, np.ndarray]) -> None:
         model = self._manager.get(step.shard)
@@ -128,7 +129,6 @@ class Groups:
 
     async def _run_rank(self, group: Group, key: BatchKey, store: dict[str, np.ndarray], deadline: float) -> int:
         """Run this rank's steps with the exchanges between them; the bytes sent to peers."""
-        loop = asyncio.get_running_loop()
         sent = 0
         exchange = 0
         for step in group.steps:
@@ -136,27 +136,13 @@ class Groups:
             for boundary in step.boundaries:
                 if boundary.collective == NONE:
                     continue  # the ranks agree already, or the value stays per rank
-                mine = to_message(boundary.name, store[boundary.name])
-                message = PeerMessage(group_id=group.id, epoch=group.epoch, batch_id=key[2], step=exchange,
-                                      source_rank=group.rank, tensor=mine)
-                others = [r for r in range(len(group.peers)) if r != group.rank]
-                remaining = deadline - loop.time()
-                try:
-                    async with asyncio.TaskGroup() as tasks:
-                        for r in others:
-                            addressed = PeerMessage()
-                            addressed.CopyFrom(message)
-                            addressed.target_rank = r
-                            tasks.create_task(self._links.send(group.peers[r], addressed))
-                        received = {r: tasks.create_task(self._mailbox.receive(key, exchange, r, group.rank, remaining))
-                                    for r in others}
-                except ExceptionGroup as failed:
-                    raise _first(failed) from None
-                parts = [store[boundary.name] if r == group.rank else from_message(received[r].result())
-                         for r in range(len(group.peers))]
-                axis = boundary.axis if boundary.collective == ALLGATHER else None
-                store[boundary.name] = combine(boundary.collective, parts, axis, tuple(boundary.pieces))
-                sent += len(mine.raw) * len(others)
+                hops = _PeerHops(self._links, self._mailbox, group, key, exchange, boundary.name, deadline)
+                if boundary.collective == ALLREDUCE_SUM and len(group.peers) >= RING_MIN_RANKS:
+                    store[boundary.name], moved = await ring_allreduce(store[boundary.name], group.rank,
+                                                                       len(group.peers), hops)
+                else:
+                    store[boundary.name], moved = await _direct(boundary, store[boundary.name], group, hops)
+                sent += moved
                 exchange += 1
         return sent
 
@@ -175,7 +161,36 @@ class Groups:
         return RunResponse(outputs=answer.outputs, peer_bytes=answer.peer_bytes + forwarded + returned)
 
 
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf error of a task group, which the error edge can map to a status."""
-    first = group.exceptions[0]
-    return _first(first) if isinstance(first, BaseExceptionGroup) else first
+class _PeerHops:
+    """One collective's messages over the worker's peer links and mailbox (``ring.Hops``)."""
+
+    def __init__(self, links: PeerLinks, mailbox: Mailbox, group: Group, key: BatchKey, step: int, name: str,
+                 deadline: float) -> None:
+        self._links, self._mailbox, self._group = links, mailbox, group
+        self._key, self._step, self._name, self._deadline = key, step, name, deadline
+
+    async def send(self, part: int, target: int, chunk: np.ndarray) -> None:
+        group = self._group
+        message = PeerMessage(group_id=group.id, epoch=group.epoch, batch_id=self._key[2], step=self._step, part=part,
+                              source_rank=group.rank, target_rank=target)
+        fill_message(message.tensor, self._name, chunk)
+        await self._links.send(group.peers[target], message)
+
+    async def receive(self, part: int, source: int) -> np.ndarray:
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        return from_message(await self._mailbox.receive(self._key, self._step, part, source, self._group.rank, remaining))
+
+
+async def _direct(boundary: Boundary, mine: np.ndarray, group: Group, hops: _PeerHops) -> tuple[np.ndarray, int]:
+    """Send this rank's part to every other rank, take theirs, join all in rank order; the bytes sent."""
+    others = [r for r in range(len(group.peers)) if r != group.rank]
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            for r in others:
+                tasks.create_task(hops.send(0, r, mine))
+            received = {r: tasks.create_task(hops.receive(0, r)) for r in others}
+    except ExceptionGroup as failed:
+        raise first_error(failed) from None
+    parts = [mine if r == group.rank else received[r].result() for r in range(len(group.peers))]
+    axis = boundary.axis if boundary.collective == ALLGATHER else None
+    return combine(boundary.collective, parts, axis, tuple(boundary.pieces)), mine.nbytes * len(others)

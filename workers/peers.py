@@ -3,8 +3,9 @@ sends on (one long-lived ``Exchange`` stream per peer, plus unary ``Run``
 calls for pipeline hand-offs) and the mailbox that holds the parts peers sent
 until the batch step that reads them.
 
-Keys: a part is addressed by (group, epoch, batch, step, source rank,
-target rank) -- one worker may hold two ranks of a group. The
+Keys: a part is addressed by (group, epoch, batch, step, part, source
+rank, target rank) -- one worker may hold two ranks of a group, and a ring
+collective sends several parts per step. The
 gateway gives every batch of a group its own id, so parts of concurrent
 batches never mix; a part that arrives before its receiver reaches the step
 (or before the gateway's call reaches this rank at all) waits in the mailbox.
@@ -54,32 +55,32 @@ class PeerAccess:
 
 
 class Mailbox:
-    """Parts received from peers, one future per (batch, step, source rank, target rank)."""
+    """Parts received from peers, one future per (batch, step, part, source rank, target rank)."""
 
     def __init__(self) -> None:
-        self._batches: dict[BatchKey, dict[tuple[int, int, int], asyncio.Future[Tensor]]] = {}
+        self._batches: dict[BatchKey, dict[tuple[int, int, int, int], asyncio.Future[Tensor]]] = {}
         self._finished: OrderedDict[tuple[str, int, int, int], None] = OrderedDict()
         self._gone: set[tuple[str, int, int]] = set()  # (group, epoch, rank) whose stream ended
 
-    def _slot(self, key: BatchKey, step: int, source: int, target: int) -> asyncio.Future[Tensor]:
+    def _slot(self, key: BatchKey, step: int, part: int, source: int, target: int) -> asyncio.Future[Tensor]:
         slots = self._batches.setdefault(key, {})
-        future = slots.get((step, source, target))
+        future = slots.get((step, part, source, target))
         if future is None:
-            future = slots[(step, source, target)] = asyncio.get_running_loop().create_future()
+            future = slots[(step, part, source, target)] = asyncio.get_running_loop().create_future()
         return future
 
     def deliver(self, message: PeerMessage) -> None:
         key = (message.group_id, message.epoch, message.batch_id)
         if key + (message.target_rank,) in self._finished:
             return
-        future = self._slot(key, message.step, message.source_rank, message.target_rank)
+        future = self._slot(key, message.step, message.part, message.source_rank, message.target_rank)
         if not future.done():
             future.set_result(message.tensor)
 
-    async def receive(self, key: BatchKey, step: int, source: int, target: int, timeout_s: float) -> Tensor:
+    async def receive(self, key: BatchKey, step: int, part: int, source: int, target: int, timeout_s: float) -> Tensor:
         if (key[0], key[1], source) in self._gone:
             raise PeerUnavailable(f"group {key[0]}: rank {source} is gone")
-        future = self._slot(key, step, source, target)
+        future = self._slot(key, step, part, source, target)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
@@ -88,7 +89,7 @@ class Mailbox:
     def finish(self, key: BatchKey, target: int) -> None:
         """The batch is over on rank ``target``: drop its parts, and any that arrive later."""
         slots = self._batches.get(key, {})
-        for slot in [s for s in slots if s[2] == target]:
+        for slot in [s for s in slots if s[3] == target]:
             future = slots.pop(slot)
             if not future.done():
                 future.cancel()
@@ -104,7 +105,7 @@ class Mailbox:
         for (g, e, _), slots in self._batches.items():
             if (g, e) != (group, epoch):
                 continue
-            for (_, source, _), future in slots.items():
+            for (_, _, source, _), future in slots.items():
                 if source == rank and not future.done():
                     future.set_exception(PeerUnavailable(f"group {group}: rank {rank}'s stream ended"))
 
@@ -130,6 +131,10 @@ class _Link:
         self.stub = CollectiveStub(self.channel)
         self.address = address
         self._metadata = access.metadata
+        # With TLS a peer that refuses the handshake looks like a closed socket: say what it checks.
+        self._hint = "" if access.credentials is None else (
+            " (peers must accept this worker's certificate as a client certificate: signed by their"
+            " --tls-client-ca, extended key usage clientAuth)")
         self._stream: grpc.aio.StreamUnaryCall[PeerMessage, ExchangeResponse] | None = None
         self._lock = asyncio.Lock()  # one write at a time on the stream
 
@@ -142,7 +147,7 @@ class _Link:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 stream, self._stream = self._stream, None
                 stream.cancel()
-                raise PeerUnavailable(f"peer {self.address} unreachable: {_details(e)}") from None
+                raise PeerUnavailable(f"peer {self.address} unreachable: {_details(e)}{self._hint}") from None
 
     async def run(self, request: RunRequest, timeout_s: float) -> RunResponse:
         try:
@@ -151,7 +156,7 @@ class _Link:
             if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"peer {self.address}: {e.details()}") from None
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                raise PeerUnavailable(f"peer {self.address}: {e.details()}") from None
+                raise PeerUnavailable(f"peer {self.address}: {e.details()}{self._hint}") from None
             raise _from_status(e) from None
 
     async def close(self) -> None:

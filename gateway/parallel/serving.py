@@ -245,6 +245,7 @@ class ParallelModels:
         names = [out.name for out in request.outputs] or [t.name for t in served.layout.plan.outputs]
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        last: Exception | None = None
         for _ in range(MAX_ATTEMPTS):
             group = self._groups.pick(served)
             if group is None:
@@ -258,6 +259,7 @@ class ParallelModels:
                 if deadline is not None and deadline - loop.time() <= 0:
                     raise DeadlineExceeded(f"deadline exceeded for model '{served.spec.name}'") from None
                 served.count("retries")
+                last = e
                 log.info("model %s: group %s failed a batch (%s); rerunning it on another copy", served.spec.name,
                          group.id, e)
                 self._groups.broken(served, group)
@@ -270,7 +272,8 @@ class ParallelModels:
                                ("peer_bytes", result.peer_bytes)):
                 served.count(key, value)
             return result.response
-        raise Unavailable(f"model '{served.spec.name}': no copy could run the batch after {MAX_ATTEMPTS} attempts")
+        cause = f"; the last failed with: {last}" if last is not None else ""
+        raise Unavailable(f"model '{served.spec.name}': no copy could run the batch after {MAX_ATTEMPTS} attempts{cause}")
 
     def _repair_task(self, served: ServedModel, *, urgent: bool) -> asyncio.Task[None]:
         """One repair at a time per model, shared by every request that needs it."""

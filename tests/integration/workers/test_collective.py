@@ -1,7 +1,9 @@
 """The worker's collective service between real worker processes: two
 workers holding ``encoder``'s TP2 shards run a batch as one group, each
 called once, exchanging partial sums over their own streams with the
-cluster's worker token; rank 0's answer equals the unsplit model. Calls
+cluster's worker token; rank 0's answer equals the unsplit model. Four
+workers holding TP4 shards sum as a ring: every rank ends with the same
+bytes, and each sends 2(N-1)/N of each summed tensor, not N-1 copies. Calls
 without the token are refused, an unknown group answers UNAVAILABLE, and a
 rank whose peer died fails at once rather than at its deadline.
 """
@@ -9,6 +11,7 @@ rank whose peer died fails at once rather than at its deadline.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -39,18 +42,24 @@ def split(model_repo: Path, tmp_path_factory: pytest.TempPathFactory):
     return result.plan, repo, model_repo / "encoder" / "1" / "model.onnx"
 
 
-@pytest.fixture
-def workers(split, tmp_path: Path) -> Iterator[list[Proc]]:
+@contextmanager
+def start_group(repo: Path, tmp_path: Path, n: int) -> Iterator[list[Proc]]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     procs: list[Proc] = []
     try:
-        for _ in range(2):
-            procs.append(start_worker(split[1], "--auth-token-file", str(token_file), "--intra-op-threads", "1"))
+        for _ in range(n):
+            procs.append(start_worker(repo, "--auth-token-file", str(token_file), "--intra-op-threads", "1"))
         yield procs
     finally:
         for proc in procs:
             proc.stop(check=proc.popen.poll() is None)  # a worker a test killed has no clean exit to check
+
+
+@pytest.fixture
+def workers(split, tmp_path: Path) -> Iterator[list[Proc]]:
+    with start_group(split[1], tmp_path, 2) as procs:
+        yield procs
 
 
 def stub(proc: Proc) -> tuple[grpc.Channel, CollectiveStub]:
@@ -71,11 +80,11 @@ def set_up(procs: list[Proc], plan, epoch: int = 1) -> None:
                                            steps=list(steps[rank])), metadata=AUTH, timeout=10)
 
 
-def run_request(x: np.ndarray, rank: int, batch_id: int) -> RunRequest:
+def run_request(x: np.ndarray, rank: int, batch_id: int, every_rank: bool = False) -> RunRequest:
     datatype, shape, raw = codec.encode(x)
     return RunRequest(group_id=GROUP, epoch=1, batch_id=batch_id, rank=rank,
                       inputs=[Tensor(name="TOKENS", datatype=datatype, shape=shape, raw=raw)],
-                      outputs=["HIDDEN"] if rank == 0 else [])
+                      outputs=["HIDDEN"] if rank == 0 or every_rank else [])
 
 
 def test_a_group_of_two_workers_equals_the_unsplit_model(split, workers: list[Proc]) -> None:
@@ -124,3 +133,35 @@ def test_a_rank_whose_peer_died_fails_fast(split, workers: list[Proc]) -> None:
     # its deadline would have answered DEADLINE_EXCEEDED.
     assert failed.value.code() is grpc.StatusCode.UNAVAILABLE, failed.value.details()
     assert "peer" in (failed.value.details() or "")
+
+
+def test_four_ranks_sum_as_a_ring_and_end_with_the_same_bytes(model_repo: Path, tmp_path: Path) -> None:
+    source = model_repo / "encoder" / "1" / "model.onnx"
+    result = split_tensor_parallel(onnx.load(str(source)), 4, name="encoder_tp4")
+    write_split(result, tmp_path / "shards")
+    collectives = [b.collective.value for seg in result.plan.segments for b in seg.boundaries]
+    session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    with start_group(tmp_path / "shards", tmp_path, 4) as procs:
+        set_up(procs, result.plan)
+        channels = [stub(p) for p in procs]
+        try:
+            rows, seq = 2, 12
+            x = np.random.default_rng(4).integers(0, 100, size=(rows, seq)).astype(np.int64)
+            futures = [s.Run.future(run_request(x, rank, 1, every_rank=True), metadata=AUTH, timeout=60)
+                       for rank, (_, s) in enumerate(channels)]
+            answers = [f.result() for f in futures]
+        finally:
+            for channel, _ in channels:
+                channel.close()
+    outputs = [a.outputs[0].raw for a in answers]
+    assert all(raw == outputs[0] for raw in outputs[1:])  # the ring hands every rank the same sums
+    (out,) = answers[0].outputs
+    got = codec.decode(out.datatype, list(out.shape), out.raw)
+    np.testing.assert_allclose(got, session.run(["HIDDEN"], {"TOKENS": x})[0], atol=1e-4, rtol=0)
+    # Each summed activation [rows, seq, 64] fp32: 2(N-1)/N of it out per rank on the ring (a direct
+    # exchange would send N-1 whole copies); a gathered one: this rank's quarter to 3 peers.
+    whole = rows * seq * 64 * 4
+    ring = collectives.count("allreduce_sum") * 2 * 3 * whole // 4
+    gathered = collectives.count("allgather") * 3 * whole // 4
+    assert collectives.count("allreduce_sum") >= 2
+    assert [a.peer_bytes for a in answers] == [ring + gathered] * 4
