@@ -20,7 +20,7 @@ import signal
 import sys
 import tempfile
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path

@@ -32,7 +32,7 @@ from gateway.observability.tracing import RequestTracing
 from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
 from gateway.types import InferenceCore, InferRequest
 from protos import wire
-from protos.errors import Cancelled, InferGateError, Internal, Unsupported, retry_metadata
+from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
 
 _log = logging.getLogger(__name__)
 
