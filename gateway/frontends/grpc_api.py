@@ -292,12 +292,12 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary_edge
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        self._shm.register(request.name, request.key, request.offset, request.byte_size)
+        await self._shm.apply_register(request.name, request.key, request.offset, request.byte_size)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     @_unary_edge
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        self._shm.unregister(request.name)
+        await self._shm.apply_unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     @_unary_edge
@@ -319,7 +319,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_unary_edge
     async def LogSettings(self, request: Any, context: Any) -> service_pb2.LogSettingsResponse:
         wanted = {key: _setting_value(v) for key, v in request.settings.items()}
-        current = self._logs.update(wanted) if wanted else self._logs.current()
+        current = await self._logs.apply(wanted) if wanted else self._logs.current()
         response = service_pb2.LogSettingsResponse()
         for key, value in current.items():
             slot = response.settings[key]
@@ -337,7 +337,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def TraceSetting(self, request: Any, context: Any) -> service_pb2.TraceSettingResponse:
         settings = self._tracing.settings
         wanted = {key: list(v.value) for key, v in request.settings.items()}
-        current = settings.update(request.model_name, wanted) if wanted else settings.current(request.model_name)
+        current = await settings.apply(request.model_name, wanted) if wanted else settings.current(request.model_name)
         response = service_pb2.TraceSettingResponse()
         for key, value in current.items():
             response.settings[key].value.extend(value if isinstance(value, list) else [value])

@@ -70,11 +70,11 @@ class _Extensions:
             raise InvalidArgument(f"Shared memory register request: 'key' must be a string, got {key!r}")
         offset = _uint(doc, "offset", required=False)
         byte_size = _uint(doc, "byte_size", required=True)
-        self._shm.register(request.match_info["name"], key, offset, byte_size)
+        await self._shm.apply_register(request.match_info["name"], key, offset, byte_size)
         return web.Response(status=200)
 
     async def system_unregister(self, request: web.Request) -> web.Response:
-        self._shm.unregister(request.match_info.get("name", ""))
+        await self._shm.apply_unregister(request.match_info.get("name", ""))
         return web.Response(status=200)
 
     # -- CUDA shared memory: nothing to register on this server
@@ -98,7 +98,7 @@ class _Extensions:
 
     async def logging_update(self, request: web.Request) -> web.Response:
         doc = parse_json_object(await request.read(), "log settings request")
-        return _json(self._logs.update(doc))
+        return _json(await self._logs.apply(doc))
 
     # -- trace settings (global, or the model's)
 
@@ -107,7 +107,7 @@ class _Extensions:
 
     async def trace_update(self, request: web.Request) -> web.Response:
         doc = parse_json_object(await request.read(), "trace setting request")
-        return _json(self._traces.update(request.match_info.get("model", ""), normalize_json(doc)))
+        return _json(await self._traces.apply(request.match_info.get("model", ""), normalize_json(doc)))
 
 
 def add_extension_routes(

@@ -13,9 +13,11 @@ Triton's settings and what they do here:
 - ``log_file``: reported (empty: standard error) but, as in Triton, not
   changeable over the network.
 
-One :class:`LogSettings` per process, shared by both frontends. It touches
-the process's logging only once a client updates a setting (the filter goes
-onto the root logger's handlers then). Messages are Triton's where it has them.
+One :class:`LogSettings` per process, shared by both frontends (they update
+through :meth:`LogSettings.apply`, which a process group's settings extend to
+every process of the gateway). It touches the process's logging only once a
+client updates a setting (the filter goes onto the root logger's handlers
+then). Messages are Triton's where it has them.
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ class LogSettings(logging.Filter):
             elif key == "log_format":
                 self._apply_format(value)
         return self.current()
+
+    async def apply(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """An update as both frontends make it: here, :meth:`update`; a process group's applies it in every process."""
+        return self.update(settings)
 
     def _apply_format(self, fmt: str) -> None:
         for handler in self._root.handlers:

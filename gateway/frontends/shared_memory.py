@@ -145,6 +145,15 @@ class SharedMemoryRegistry:
             raise NotFound(f"Unable to find system shared memory region: '{name}'")
         return [region.status]
 
+    # The extension's register and unregister, as both frontends call them: here, this
+    # process's registry; a process group's (``gateway.multiproc``) acts on every process.
+
+    async def apply_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.register(name, key, offset, byte_size)
+
+    async def apply_unregister(self, name: str = "") -> None:
+        self.unregister(name)
+
     def slice(self, name: str, offset: int, byte_size: int) -> RegionSlice:
         """The checked window ``[offset, offset + byte_size)`` of region ``name`` (Triton's GetMemoryInfo)."""
         with self._lock:

@@ -161,6 +161,15 @@ class TraceSettings:
     def update(self, model: str, settings: Mapping[str, list[str] | None]) -> dict[str, Any]:
         """Apply ``settings`` (key -> values, None clears) to ``model`` ("" = global); all checked first."""
         self._check_model(model)
+        self.assign(model, settings)
+        return self.current(model)
+
+    async def apply(self, model: str, settings: Mapping[str, list[str] | None]) -> dict[str, Any]:
+        """An update as both frontends make it: here, :meth:`update`; a process group's applies it in every process."""
+        return self.update(model, settings)
+
+    def assign(self, model: str, settings: Mapping[str, list[str] | None]) -> None:
+        """:meth:`update` without the check that ``model`` is known (a change another process checked)."""
         parsed: dict[str, Any] = {}
         for key, values in settings.items():
             if key == "trace_file":
@@ -198,4 +207,3 @@ class TraceSettings:
             self._global_sampler = self._sampler({})
             self._samplers = {m: self._sampler(o) for m, o in self._overrides.items()}
         self.active = self._global_sampler.on or any(s.on for s in self._samplers.values())
-        return self.current(model)
