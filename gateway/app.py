@@ -193,7 +193,9 @@ async def start_gateway(
         *BURST_OPTIONS,
     ])
     # One registry of client shared-memory regions and one set of log settings for both frontends, as in Triton.
-    shm, logs = SharedMemoryRegistry(), LogSettings()
+    # Among several processes, ones that every process holds alike (gateway.multiproc.replicated).
+    shm, logs = ((gateway.regions, gateway.logs) if isinstance(gateway, GroupGateway)
+                 else (SharedMemoryRegistry(), LogSettings()))
     frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs, tracing=gateway.tracing)
     # Workers started with --gateway register here (protos/cluster.proto).
     add_registry_service(grpc_server, gateway.fleet.registry)

@@ -8,11 +8,14 @@ batches and routes on its own. ``peers`` is a child's client of the others'
 internal endpoint; ``merge`` sums their answers exactly (Triton statistics,
 Prometheus families, cluster documents); ``group`` is the gateway of one
 child: child 0 (the leader) takes placement, load/unload and drain
-decisions, the others forward those to it; ``routes`` serves the
-whole-gateway observability and drain endpoints and the internal ones.
+decisions, the others forward those to it; ``replicated`` keeps Triton's
+extension state (shared-memory regions, log and trace settings) alike in
+every process; ``routes`` serves the whole-gateway observability and drain
+endpoints and the internal ones.
 
 May import: ``gateway.core``, ``gateway.config``, ``gateway.fleet``,
-``gateway.observability``, ``gateway.frontends`` (error responses),
+``gateway.observability``, ``gateway.frontends`` (error responses, the
+extension state it extends),
 ``serverkit``, ``protos``. ``gateway.app`` imports this package, never the
 other way round.
 """

@@ -11,7 +11,9 @@ change the workers are taken once, by the leader (process 0):
   (``load_on_demand``, ``replicas``), then re-reads the workers;
 - repository control (load, unload): a follower forwards the call to the
   leader, which acts and has every process re-read the workers before it
-  answers, so after a load returns every process serves the model.
+  answers, so after a load returns every process serves the model;
+- Triton's extension state (shared-memory regions, log and trace settings):
+  changed in every process, in the leader's order (``replicated``).
 
 Statistics are summed over all processes at every call (``merge``), never
 sampled from one.
@@ -32,6 +34,8 @@ from gateway.core import Gateway
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
+from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
+from gateway.observability.trace_settings import trace_config
 from protos.errors import ModelNotFound, Unavailable
 
 if TYPE_CHECKING:
@@ -106,11 +110,16 @@ def _log_death(task: asyncio.Task[None]) -> None:
 
 
 class GroupGateway(Gateway):
-    """A ``Gateway`` whose statistics cover every process and whose fleet decisions are the leader's."""
+    """A ``Gateway`` whose statistics cover every process, whose fleet decisions are the leader's, and whose
+    extension state (``regions``, ``logs``, the trace settings) every process holds alike."""
 
     def __init__(self, config: GatewayConfig, group: ProcessGroup) -> None:
         super().__init__(config)
         self.group = group
+        self.replicator = Replicator(group)
+        self.regions = GroupRegions(self.replicator)
+        self.logs = GroupLogSettings(self.replicator)
+        self.tracing.settings = GroupTraceSettings(trace_config(config), self.model_ready, self.replicator)
         if not group.is_leader:
             follower = FollowerPlacement(config, self.cluster, self.fleet.registry, group)
             self.fleet.placement = self.placement = follower

@@ -8,8 +8,9 @@ and the placement view from the leader. Every public response carries
 ``X-Infergate-Process`` (the index of the process that answered).
 
 Internal (:func:`internal_app`, on the process's own loopback peer port,
-nothing else served there): this process's own counters, and the leader's
-decisions on behalf of the others. Each call must carry the group's secret.
+nothing else served there): this process's own counters, the leader's
+decisions on behalf of the others, and changes of the extension state
+(``gateway.multiproc.replicated``). Each call must carry the group's secret.
 """
 
 from __future__ import annotations
@@ -251,13 +252,21 @@ def internal_app(views: GroupViews) -> web.Application:
     async def placement(_r: web.Request) -> web.Response:
         return _json(gateway.placement_view())
 
+    async def change(r: web.Request) -> web.Response:
+        await gateway.replicator.change(q(r, "kind"), orjson.loads(await r.read()))
+        return _json({})
+
+    async def change_local(r: web.Request) -> web.Response:
+        gateway.replicator.apply_local(q(r, "kind"), orjson.loads(await r.read()))
+        return _json({})
+
     app = web.Application(client_max_size=2**31 - 1)
     for method, path, handler in (
         ("GET", "stats", stats), ("GET", "metrics", metrics), ("GET", "cluster", cluster),
         ("GET", "cluster_stats", stats_doc), ("POST", "touch", touch), ("POST", "ensure", ensure),
         ("POST", "load", load), ("POST", "unload", unload), ("POST", "reread", reread), ("POST", "drain", drain),
         ("POST", "drain_local", drain_local), ("POST", "undrain", undrain), ("POST", "undrain_local", undrain_local),
-        ("GET", "placement", placement),
+        ("GET", "placement", placement), ("POST", "change", change), ("POST", "change_local", change_local),
     ):
         app.router.add_route(method, f"{PEER_PREFIX}/{path}", _internal(views, handler))
     return app
