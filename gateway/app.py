@@ -33,6 +33,7 @@ from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.peers import ProcessGroup
+from gateway.multiproc.registrations import add_group_registry_service
 from gateway.multiproc.routes import GroupViews, add_group_routes, internal_app
 from gateway.multiproc.spec import PEER_HOST, ProcessSpec
 from gateway.multiproc.supervisor import process_count, serve_processes
@@ -198,7 +199,10 @@ async def start_gateway(
                  else (SharedMemoryRegistry(), LogSettings()))
     frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs, tracing=gateway.tracing)
     # Workers started with --gateway register here (protos/cluster.proto).
-    add_registry_service(grpc_server, gateway.fleet.registry)
+    if group is None:
+        add_registry_service(grpc_server, gateway.fleet.registry)
+    else:  # a registration through any process reaches every process
+        add_group_registry_service(grpc_server, gateway.fleet.registry, group)
     grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
         raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")

@@ -175,6 +175,27 @@ async def _registered(cluster: Cluster, addresses: list[str]) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _registered_everywhere(group: GatewayProcesses, addresses: list[str]) -> None:
+    """Wait until every gateway process has every worker registered and up (polled, bounded)."""
+    assert group.peers is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WORKER_START_TIMEOUT_S
+    while True:
+        views = [json.loads(doc) for doc in await group.peers.gather("GET", "cluster")]
+        if all(set(addresses) <= {w["address"] for w in view["workers"] if w["state"] != "down"}
+               for view in views):
+            return
+        if loop.time() > deadline:
+            raise RuntimeError(f"workers did not register within {WORKER_START_TIMEOUT_S:.0f}s")
+        await asyncio.sleep(0.05)
+
+
+def _registration_target(host: str, grpc_port: int) -> str:
+    """The gateway's gRPC address as a local worker reaches it."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    return f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"
+
+
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
     worker_args = list(args.worker_arg)
@@ -196,10 +217,8 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         if args.register:
             # The gateway first: the workers need its gRPC port to register (their metrics ports come with it).
             running = await start_gateway(config)
-            host = "127.0.0.1" if config.host in ("", "0.0.0.0", "::") else config.host
-            target = f"[{host}]:{running.grpc_port}" if ":" in host else f"{host}:{running.grpc_port}"
             for w in workers:
-                w.extra_args = [*w.extra_args, "--gateway", target]
+                w.extra_args = [*w.extra_args, "--gateway", _registration_target(config.host, running.grpc_port)]
             await asyncio.gather(*(w.start() for w in workers))
             await _registered(running.gateway.cluster, [w.address for w in workers])
         else:
@@ -252,11 +271,20 @@ async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], co
     supervisors: set[asyncio.Task[None]] = set()
     group: GatewayProcesses | None = None
     try:
-        await asyncio.gather(*(w.start() for w in workers))
-        config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
-        metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
-        group = GatewayProcesses(config, count, log_level=args.log_level, worker_metrics_urls=metrics_urls)
-        await group.start()
+        if args.register:
+            # The gateway first: the workers need its gRPC port; a registration reaches every process.
+            group = GatewayProcesses(config, count, log_level=args.log_level)
+            await group.start()
+            for w in workers:
+                w.extra_args = [*w.extra_args, "--gateway", _registration_target(config.host, group.grpc_port)]
+            await asyncio.gather(*(w.start() for w in workers))
+            await _registered_everywhere(group, [w.address for w in workers])
+        else:
+            await asyncio.gather(*(w.start() for w in workers))
+            config = replace(config, workers=tuple(config.workers) + tuple(WorkerSpec(w.address) for w in workers))
+            metrics_urls = {w.address: f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers}
+            group = GatewayProcesses(config, count, log_level=args.log_level, worker_metrics_urls=metrics_urls)
+            await group.start()
         for w in workers:
             task = asyncio.create_task(w.supervise(), name=f"supervise-worker-{w.index}")
             supervisors.add(task)
@@ -297,10 +325,6 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.gateway_processes < 0:
         print("infergate up: --gateway-processes must be >= 0 (0: one per core)", file=sys.stderr)
-        return 2
-    if args.register and process_count(args.gateway_processes) > 1:
-        print("infergate up: --register needs one gateway process (a worker registers with the process its "
-              "connection lands on); list the workers instead (drop --register)", file=sys.stderr)
         return 2
     if args.workers < 0:
         print("infergate up: --workers must be >= 0", file=sys.stderr)

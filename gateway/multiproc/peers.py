@@ -23,6 +23,7 @@ from protos import errors
 from protos.errors import InferGateError, Unavailable
 
 PEER_PREFIX = "/internal/peer"
+OUTSIDE = -1  # the index of the supervisor's client of its children: every child is another
 SECRET_HEADER = "X-Infergate-Peer-Secret"
 PEER_TIMEOUT_S = 30.0
 
@@ -51,7 +52,7 @@ class ProcessGroup:
         self.index = spec.index
         self.size = spec.size
         self.peer_ports = spec.peer_ports
-        self.peer_port = spec.peer_ports[spec.index]
+        self.peer_port = spec.peer_ports[spec.index] if spec.index != OUTSIDE else 0
         self._secret = spec.secret
         self._session: aiohttp.ClientSession | None = None
 

@@ -9,8 +9,9 @@ and the placement view from the leader. Every public response carries
 
 Internal (:func:`internal_app`, on the process's own loopback peer port,
 nothing else served there): this process's own counters, the leader's
-decisions on behalf of the others, and changes of the extension state
-(``gateway.multiproc.replicated``). Each call must carry the group's secret.
+decisions on behalf of the others, changes of the extension state
+(``gateway.multiproc.replicated``) and workers' registration calls
+(``gateway.multiproc.registrations``). Each call must carry the group's secret.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gateway.frontends.http_api import error_response
 from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
 from gateway.multiproc.peers import PEER_PREFIX, error_body
+from gateway.multiproc.registrations import registry_routes
 from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, cluster_view
 from gateway.observability.metrics import GatewayCollector
 from protos.errors import InferGateError, InvalidArgument, NotFound
@@ -267,6 +269,7 @@ def internal_app(views: GroupViews) -> web.Application:
         ("POST", "load", load), ("POST", "unload", unload), ("POST", "reread", reread), ("POST", "drain", drain),
         ("POST", "drain_local", drain_local), ("POST", "undrain", undrain), ("POST", "undrain_local", undrain_local),
         ("GET", "placement", placement), ("POST", "change", change), ("POST", "change_local", change_local),
+        *registry_routes(gateway.fleet.registry),
     ):
         app.router.add_route(method, f"{PEER_PREFIX}/{path}", _internal(views, handler))
     return app

@@ -4,7 +4,9 @@ Start: reserve the HTTP and gRPC ports (port 0 resolves here, once) and one
 loopback peer port per child -> write each child's spec -> start the children
 (``infergate gateway --process-spec FILE``, each in its own session and
 killed with the parent) -> wait for every child's ready file. The parent
-serves nothing itself; it holds the reservations.
+serves nothing itself; it holds the reservations, and a client of the
+children's internal endpoints (``peers``: ``infergate up --register`` waits
+on it until every child has the workers).
 
 Stop (SIGTERM/SIGINT to the parent, or a child that dies): SIGTERM every
 child, so each drains its own queued and in-flight requests within the
@@ -29,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig
+from gateway.multiproc.peers import OUTSIDE, ProcessGroup
 from gateway.multiproc.spec import PEER_HOST, ProcessSpec, reserve_port
 from serverkit.process import die_with_parent, wait_for_signal, write_ready_file
 
@@ -64,6 +67,7 @@ class GatewayProcesses:
         self.children: list[asyncio.subprocess.Process] = []
         self._reserved: list[socket.socket] = []
         self._workdir: Path | None = None
+        self.peers: ProcessGroup | None = None  # the children's internal endpoints, once started
 
     @property
     def pids(self) -> list[int]:
@@ -92,6 +96,7 @@ class GatewayProcesses:
         config = replace(cfg, http_port=self.http_port, grpc_port=self.grpc_port)
         self._workdir = Path(tempfile.mkdtemp(prefix="infergate-gateway-"))  # mode 0700
         secret = secrets.token_urlsafe(32)
+        self.peers = ProcessGroup(ProcessSpec(config, OUTSIDE, self.peer_ports, secret, ""))
         ready_files = []
         for index in range(self.count):
             ready = self._workdir / f"ready-{index}.json"
@@ -134,6 +139,8 @@ class GatewayProcesses:
             if child.returncode is None:
                 child.send_signal(signal.SIGTERM)
         codes = await asyncio.gather(*(self._reap(i, c, grace_s + STOP_MARGIN_S) for i, c in enumerate(self.children)))
+        if self.peers is not None:
+            await self.peers.close()
         for sock in self._reserved:
             sock.close()
         self._reserved = []
