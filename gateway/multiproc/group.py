@@ -120,6 +120,7 @@ class GroupGateway(Gateway):
         self.regions = GroupRegions(self.replicator)
         self.logs = GroupLogSettings(self.replicator)
         self.tracing.settings = GroupTraceSettings(trace_config(config), self.model_ready, self.replicator)
+        self.tracing.file_of_process(group.index)  # no two processes write one trace file
         if not group.is_leader:
             follower = FollowerPlacement(config, self.cluster, self.fleet.registry, group)
             self.fleet.placement = self.placement = follower

@@ -1,8 +1,8 @@
 """One gateway child's view of its group, and its client of the others.
 
-Every child serves its whole HTTP app a second time on its own loopback peer
-port, plus the internal routes under ``PEER_PREFIX`` (``gateway.multiproc.routes``),
-which answer only there and only with the group's secret. A failed peer call
+Every child serves the internal routes under ``PEER_PREFIX``
+(``gateway.multiproc.routes``) on its own loopback peer port, nothing else,
+and they answer only calls that carry the group's secret. A failed peer call
 raises one of ``protos.errors``' classes: the peer's own error when it sent
 one, else ``Unavailable`` naming the process that did not answer, so a
 whole-gateway answer is never silently partial.

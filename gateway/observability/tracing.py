@@ -194,6 +194,11 @@ class RequestTracing:
         self.settings = settings
         self._file = TraceFile(settings.file) if settings.mode == "triton" and settings.file else None
 
+    def file_of_process(self, index: int) -> None:
+        """Among several gateway processes: this one's Triton trace files get ``.process<index>`` after the name."""
+        if self._file is not None:
+            self._file.path = f"{self._file.path}.process{index}"
+
     @classmethod
     def off(cls) -> RequestTracing:
         """Tracing that takes nothing (Triton's defaults), for a frontend built without the core's."""

@@ -130,3 +130,16 @@ def test_trace_file_rotates_every_log_frequency_traces(tmp_path: Path) -> None:
     file.close(log_frequency=2)
     written = {p.name: json.loads(p.read_text()) for p in tmp_path.iterdir()}
     assert written == {"t.json.0": [{"id": 0}, {"id": 1}], "t.json.1": [{"id": 2}, {"id": 3}], "t.json.2": [{"id": 4}]}
+
+
+def test_each_gateway_process_writes_its_own_trace_file(tmp_path: Path) -> None:
+    trace_file = tmp_path / "trace.json"
+    for index in (0, 1):
+        tracing = RequestTracing(_settings("level=TIMESTAMPS", "rate=1", f"triton,file={trace_file}"))
+        tracing.file_of_process(index)
+        request = _request()
+        with tracing.request(request, {}, "HTTP"), tracing.batch([request], "simple"):
+            pass
+        tracing.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json.process0", "trace.json.process1"]
+    assert all(json.loads(p.read_text())[0]["model_name"] == "simple" for p in tmp_path.iterdir())
