@@ -239,3 +239,21 @@ def test_probe_asks_the_cuda_runtime_and_says_why_not() -> None:
         assert why == "cuda-python is not installed (pip install 'infergate[cuda]')"
     else:  # cuda-python present (tritonclient[all] brings it), no driver or no device: the runtime said so
         assert why.startswith(("the CUDA runtime reports", "cuda-python failed to start")), why
+
+
+def test_cuda_python_errors_come_back_in_the_runtimes_words() -> None:
+    """The production implementation against the real cuda-python, on a host where the runtime finds no device."""
+    if importlib.util.find_spec("cuda") is None or probe_cuda()[0] is not None:
+        pytest.skip("needs cuda-python installed and no usable GPU")
+    from gateway.frontends.cuda_ipc import CudaPythonIpc, _runtime_and_driver
+
+    ipc = CudaPythonIpc(*_runtime_and_driver())
+    with pytest.raises(CudaIpcError, match=r"^cudaSetDevice\(0\): .+"):
+        ipc.open(b"\1" * IPC_HANDLE_BYTES, 0)
+    with pytest.raises(CudaIpcError, match=r"^cudaSetDevice\(0\): "):
+        ipc.to_host(1 << 32, 0, 8)
+    assert bytes(ipc.to_host(1 << 32, 0, 0)) == b""  # nothing to copy: no device call at all
+    reg = SharedMemoryRegistry(ipc)  # as if the probe had said yes: registration still fails cleanly
+    with pytest.raises(InvalidArgument, match=r"failed to register shared memory region 'g': invalid args \(cuda"):
+        reg.register_cuda("g", b"\1" * IPC_HANDLE_BYTES, 0, 64)
+    assert reg.cuda_status() == []
