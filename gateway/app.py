@@ -26,6 +26,7 @@ from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load
 from gateway.core import Gateway
 from gateway.fleet.drain import add_drain_routes
 from gateway.fleet.registry import add_registry_service
+from gateway.frontends.cuda_ipc import probe_cuda
 from gateway.frontends.grpc_api import add_grpc_services
 from gateway.frontends.grpc_guard import MalformedRequestGuard
 from gateway.frontends.http_api import create_http_app
@@ -144,6 +145,7 @@ class RunningGateway:
     http_port: int
     grpc_port: int
     peer_runner: web.AppRunner | None = None  # the internal endpoint of a process among several
+    shm: SharedMemoryRegistry | None = None  # the clients' regions: unmapped, CUDA handles closed, at the end
 
     async def stop(self, grace_s: float) -> None:
         self.gateway.begin_shutdown()
@@ -165,6 +167,8 @@ class RunningGateway:
         # The last traces: the trace file's remainder, the spans still buffered for the exporter.
         self.gateway.tracing.close()
         await asyncio.to_thread(tracing.shutdown)
+        if self.shm is not None:
+            self.shm.close()
 
 
 async def start_gateway(
@@ -194,9 +198,16 @@ async def start_gateway(
         *BURST_OPTIONS,
     ])
     # One registry of client shared-memory regions and one set of log settings for both frontends, as in Triton.
+    # CUDA shared memory is served only where this process really sees a GPU (asked once, here).
+    cuda, no_cuda = probe_cuda()
+    if cuda is None:
+        log.info("CUDA shared memory: off, %s", no_cuda)
+    else:
+        log.info("CUDA shared memory: on (cuda-python, CUDA IPC)")
     # Among several processes, ones that every process holds alike (gateway.multiproc.replicated).
     shm, logs = ((gateway.regions, gateway.logs) if isinstance(gateway, GroupGateway)
                  else (SharedMemoryRegistry(), LogSettings()))
+    shm.use_cuda(cuda, no_cuda)
     frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs, tracing=gateway.tracing)
     # Workers started with --gateway register here (protos/cluster.proto).
     if group is None:
@@ -235,7 +246,7 @@ async def start_gateway(
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)
     log.info("gateway serving: HTTP %s:%d, gRPC %s:%d, %d worker(s)", config.host, http_port, config.host, grpc_port, len(config.workers))
-    return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port, peer_runner)
+    return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port, peer_runner, shm)
 
 
 async def serve(config: GatewayConfig, ready_file: str | None) -> None:

@@ -6,6 +6,11 @@
 #
 # Serves the example models built into /models; mount another Triton-layout
 # repository over /models to serve yours. Build from the repository root.
+# It also runs a gateway for clients on a GPU host that use Triton's CUDA
+# shared memory (cuda-python is installed; the client, the gateway and the GPU
+# must share the host, and the container needs the GPU and --ipc=host):
+#   docker run --rm --gpus all --ipc=host -p 8000:8000 -p 8003:8001 infergate/worker:0.1.0 \
+#       gateway --host 0.0.0.0 --worker HOST:PORT
 # onnxruntime-gpu 1.31 needs CUDA 13 and cuDNN 9, hence this base; pin its
 # digest too (nvidia/cuda@sha256:...) where builds must be reproducible.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04

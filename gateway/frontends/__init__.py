@@ -6,9 +6,12 @@ binary request form ``raw_binary`` and the management endpoints' JSON
 (``grpc_api`` with its wire conversion ``grpc_wire`` and the undecodable-
 message guard ``grpc_guard``) decode a wire request into one
 ``gateway.types.InferRequest`` and encode the answer back; ``validation``
-checks a decoded request against the model's metadata.
+checks a decoded request against the model's metadata. ``shared_memory``
+holds Triton's shared-memory regions (system, and CUDA through
+``cuda_ipc``, which alone imports cuda-python, lazily).
 
-May import: ``gateway.types``, ``gateway.limits``, ``protos``, and
+May import: ``gateway.types``, ``gateway.limits``, ``protos``,
+cuda-python (``cuda_ipc`` only, where installed), and
 ``gateway.observability``'s tracing (the trace settings they serve, the
 trace they open around each inference). Frontends talk
 to the core only through the ``InferenceCore`` protocol in ``gateway.types``,

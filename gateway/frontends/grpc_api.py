@@ -29,7 +29,7 @@ from gateway.frontends.grpc_wire import (
 )
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
-from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
+from gateway.frontends.shared_memory import SharedMemoryRegistry, advertise
 from gateway.types import InferenceCore, InferRequest
 from protos import wire
 from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
@@ -144,7 +144,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary_edge
     async def ServerMetadata(self, request: Any, context: Any) -> service_pb2.ServerMetadataResponse:
-        return self._core.server_metadata()
+        return advertise(self._core.server_metadata(), self._shm)
 
     @_unary_edge
     async def ModelReady(self, request: Any, context: Any) -> service_pb2.ModelReadyResponse:
@@ -284,11 +284,9 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary_edge
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        response = service_pb2.SystemSharedMemoryStatusResponse()
-        for r in self._shm.status(request.name):
-            response.regions[r.name].CopyFrom(response.RegionStatus(
-                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
-        return response
+        out = service_pb2.SystemSharedMemoryStatusResponse
+        return out(regions={r.name: out.RegionStatus(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+                            for r in self._shm.status(request.name)})
 
     @_unary_edge
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
@@ -302,16 +300,18 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary_edge
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        if request.name:
-            raise cuda_status_error(request.name)
-        return service_pb2.CudaSharedMemoryStatusResponse()
+        out = service_pb2.CudaSharedMemoryStatusResponse
+        return out(regions={r.name: out.RegionStatus(name=r.name, device_id=r.device_id, byte_size=r.byte_size)
+                            for r in self._shm.cuda_status(request.name)})
 
     @_unary_edge
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        raise cuda_register_error(request.name)
+        await self._shm.apply_register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return service_pb2.CudaSharedMemoryRegisterResponse()
 
     @_unary_edge
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        await self._shm.apply_unregister_cuda(request.name)
         return service_pb2.CudaSharedMemoryUnregisterResponse()
 
     # -- logging (gateway.frontends.log_settings; shared with the HTTP frontend)

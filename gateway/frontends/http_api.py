@@ -54,7 +54,7 @@ from gateway.frontends.http_json import (
 )
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
-from gateway.frontends.shared_memory import SharedMemoryRegistry
+from gateway.frontends.shared_memory import SharedMemoryRegistry, advertise
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.observability.tracing import RequestTracing
 from gateway.types import InferenceCore
@@ -198,7 +198,7 @@ class _HttpApi:
         return _json({"ready": True})
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(message_to_json(self._core.server_metadata()))
+        return _json(message_to_json(advertise(self._core.server_metadata(), self._shm)))
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         name, version = _model_path(request)

@@ -5,8 +5,10 @@
 - ``POST /v2/systemsharedmemory/region/{name}/register`` with
   ``{"key", "offset", "byte_size"}``;
 - ``POST /v2/systemsharedmemory[/region/{name}]/unregister``;
-- the same three under ``/v2/cudasharedmemory`` (no region can be
-  registered: this server has no GPU to share; the status lists none);
+- the same three under ``/v2/cudasharedmemory``, status
+  ``[{"name", "device_id", "byte_size"}]``, register with
+  ``{"raw_handle": {"b64": ...}, "device_id", "byte_size"}`` (refused with
+  a clear message where this process has no usable GPU);
 - ``GET|POST /v2/logging``: the log settings, and their update
   (``gateway.frontends.log_settings``);
 - ``GET|POST /v2/trace/setting`` and ``/v2/models/{model}/trace/setting``:
@@ -19,6 +21,8 @@ errors go through the application's one error middleware.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import orjson
@@ -26,7 +30,8 @@ from aiohttp import web
 
 from gateway.frontends.http_codec import parse_json_object
 from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.shared_memory import SharedMemoryRegistry, cuda_register_error, cuda_status_error
+from gateway.frontends.cuda_ipc import IPC_HANDLE_BYTES
+from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.observability.trace_settings import TraceSettings, normalize_json
 from protos.errors import InvalidArgument
 
@@ -47,6 +52,24 @@ def _uint(doc: dict[str, Any], key: str, *, required: bool) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidArgument(f"Shared memory register request: '{key}' must be a non-negative integer, got {value!r}")
     return value
+
+
+def parse_cuda_register(doc: dict[str, Any]) -> tuple[bytes, int, int]:
+    """(raw handle, device id, byte size) of a CUDA register request body, in Triton's words where it has them."""
+    handle = doc.get("raw_handle")
+    if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
+        raise InvalidArgument(
+            "Shared memory register request needs 'raw_handle': {\"b64\": <base64 of the cudaIpcMemHandle_t>}"
+        )
+    device_id = _uint(doc, "device_id", required=True)
+    byte_size = _uint(doc, "byte_size", required=True)
+    try:
+        raw = base64.b64decode(handle["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise InvalidArgument("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    return raw, device_id, byte_size
 
 
 class _Extensions:
@@ -77,19 +100,23 @@ class _Extensions:
         await self._shm.apply_unregister(request.match_info.get("name", ""))
         return web.Response(status=200)
 
-    # -- CUDA shared memory: nothing to register on this server
+    # -- CUDA shared memory (refused, status empty, where this process has no usable GPU)
 
     async def cuda_status(self, request: web.Request) -> web.Response:
-        name = request.match_info.get("name", "")
-        if name:
-            raise cuda_status_error(name)
-        return _json([])
+        regions = self._shm.cuda_status(request.match_info.get("name", ""))
+        return _json([{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions])
 
     async def cuda_register(self, request: web.Request) -> web.Response:
-        raise cuda_register_error(request.match_info.get("name", ""))
+        name = request.match_info.get("name", "")
+        self._shm.require_cuda(name)  # refused first, whatever the body, where there is no GPU
+        doc = parse_json_object(await request.read(), "shared memory register request")
+        raw_handle, device_id, byte_size = parse_cuda_register(doc)
+        await self._shm.apply_register_cuda(name, raw_handle, device_id, byte_size)
+        return web.Response(status=200)
 
     async def cuda_unregister(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)  # nothing is registered; Triton answers success for unknown names
+        await self._shm.apply_unregister_cuda(request.match_info.get("name", ""))
+        return web.Response(status=200)
 
     # -- logging
 

@@ -112,7 +112,7 @@ class Replicator:
 
 
 class GroupRegions(SharedMemoryRegistry):
-    """The system shared-memory regions, registered and unregistered in every process."""
+    """The shared-memory regions (system and CUDA), registered and unregistered in every process."""
 
     KIND = "shared_memory"
 
@@ -128,14 +128,29 @@ class GroupRegions(SharedMemoryRegistry):
     async def apply_unregister(self, name: str = "") -> None:
         await self._replicator.change(self.KIND, {"op": "unregister", "name": name})
 
+    async def apply_register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self.require_cuda(name)  # refused here where this process has no CUDA, before any peer is asked
+        await self._replicator.change(self.KIND, {"op": "register_cuda", "name": name, "raw_handle": raw_handle.hex(),
+                                                  "device_id": device_id, "byte_size": byte_size})
+
+    async def apply_unregister_cuda(self, name: str = "") -> None:
+        await self._replicator.change(self.KIND, {"op": "unregister_cuda", "name": name})
+
     def apply_local(self, change: Change, *, checked: bool) -> None:
-        if change["op"] == "register":
-            self.register(change["name"], change["key"], int(change["offset"]), int(change["byte_size"]))
+        op, name = change["op"], change["name"]
+        if op == "register":
+            self.register(name, change["key"], int(change["offset"]), int(change["byte_size"]))
+        elif op == "register_cuda":
+            self.register_cuda(name, bytes.fromhex(change["raw_handle"]), int(change["device_id"]),
+                               int(change["byte_size"]))
+        elif op == "unregister_cuda":
+            self.unregister_cuda(name)
         else:
-            self.unregister(change["name"])
+            self.unregister(name)
 
     def undo(self, change: Change) -> Change | None:
-        return {"op": "unregister", "name": change["name"]} if change["op"] == "register" else None
+        undo_of = {"register": "unregister", "register_cuda": "unregister_cuda"}
+        return {"op": undo_of[change["op"]], "name": change["name"]} if change["op"] in undo_of else None
 
 
 class GroupLogSettings(LogSettings):

@@ -12,7 +12,11 @@ host do not collide.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import urllib.error
+import urllib.request
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -25,6 +29,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcclient_aio
 import tritonclient.http as httpclient
 from tritonclient import utils
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.harness import Proc, start
@@ -250,3 +255,44 @@ def test_cuda_shared_memory_is_refused_clearly(cluster: Proc) -> None:
     finally:
         http.close()
         grpc_client.close()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_triton_shaped_cuda_requests_without_a_gpu(cluster: Proc) -> None:
+    """Register requests as Triton's clients build them, sent as they are: refused first, whatever the body."""
+    base = f"http://{http_url(cluster)}/v2/cudasharedmemory"
+    handle = base64.b64encode(b"\1" * 64).decode()
+    for body in (
+        {"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": BYTES},
+        {"raw_handle": {"b64": "not base64"}, "device_id": 0},  # malformed: the missing GPU is still the answer
+    ):
+        status, doc = _post(f"{base}/region/gpu1/register", json.dumps(body).encode())
+        assert status == 400
+        assert "failed to register CUDA shared memory region: 'gpu1', GPUs not supported" in doc["error"]
+        assert "use system shared memory" in doc["error"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{base}/region/gpu1/status", timeout=30)
+    assert info.value.code == 404
+    assert json.loads(info.value.read())["error"] == "Unable to find cuda shared memory region: 'gpu1'"
+    assert _post(f"{base}/region/gpu1/unregister", b"") == (200, {})
+    with grpc.insecure_channel(grpc_url(cluster)) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.CudaSharedMemoryRegister(service_pb2.CudaSharedMemoryRegisterRequest(
+                name="gpu1", raw_handle=b"\1" * 64, device_id=0, byte_size=BYTES), timeout=30)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'gpu1', GPUs not supported (CUDA shared memory is not available" in rpc.value.details()
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.CudaSharedMemoryStatus(service_pb2.CudaSharedMemoryStatusRequest(name="gpu1"), timeout=30)
+        assert rpc.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not stub.CudaSharedMemoryStatus(service_pb2.CudaSharedMemoryStatusRequest(), timeout=30).regions
+        metadata = stub.ServerMetadata(service_pb2.ServerMetadataRequest(), timeout=30)
+        assert "system_shared_memory" in metadata.extensions and "cuda_shared_memory" not in metadata.extensions

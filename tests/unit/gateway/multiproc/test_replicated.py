@@ -18,6 +18,7 @@ from gateway.multiproc.peers import error_body, error_from_peer
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from protos.errors import AlreadyExists, InferGateError, InvalidArgument, Unavailable
 from serverkit.tracing import TraceConfig
+from tests.unit.gateway.frontends.host_ipc import HostIpc
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory at /dev/shm")
 
@@ -145,3 +146,19 @@ async def test_trace_settings_through_any_process_hold_in_every_process() -> Non
         await p.traces[1].apply("nosuch", {"trace_rate": ["2"]})
     await p.traces[2].apply("simple", {"trace_level": None})
     assert not any(t.active for t in p.traces)
+
+
+async def test_a_cuda_region_is_opened_in_every_process_and_closed_in_every_one() -> None:
+    p, device = Processes(), HostIpc()  # one host-memory stand-in for the device all processes share
+    for regions in p.regions:
+        regions.use_cuda(device)
+    handle = device.allocate(64)
+    await p.regions[2].apply_register_cuda("c", handle, 0, 64)
+    assert [[r.name for r in regions.cuda_status()] for regions in p.regions] == [["c"]] * 3
+    assert len(device.open_pointers) == 3  # each process opened the handle itself
+    with _raises(InvalidArgument, "failed to register shared memory region 'd': invalid args"):
+        await p.regions[1].apply_register_cuda("d", bytes(64), 0, 8)
+    assert len(device.open_pointers) == 3 and p.listed() == [[]] * 3  # refused by the leader, once
+    await p.regions[1].apply_unregister_cuda("c")
+    assert device.open_pointers == [] and len(device.closed) == 3
+    assert [regions.cuda_status() for regions in p.regions] == [[]] * 3
