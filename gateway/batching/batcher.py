@@ -88,11 +88,6 @@ class Batcher:
         # Each running batch task and its entries: the task's `finally` answers them, and its
         # done-callback answers any left over (a task cancelled before it ever ran).
         self._inflight: dict[asyncio.Task[None], list[Entry]] = {}
-        # Batch tasks launched and not yet run: until one runs to the router, the slot
-        # it will take still looks free, so no other batch is sent on that sight.
-        self._unstarted: set[asyncio.Task[None]] = set()
-        # The end-of-turn look at arrivals into an empty queue (_send_arrivals), while pending.
-        self._arrivals: asyncio.Handle | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._accepting = False
         self._draining = False
@@ -182,45 +177,12 @@ class Batcher:
         return req.version, inputs, tuple(sorted(o.name for o in req.outputs))
 
     def _wake_for(self, entry: Entry) -> None:
-        """Wake the waiting scheduler if this arrival may change its next move.
-
-        The first arrival in an empty queue is looked at by a callback at the end
-        of this loop turn instead (``_send_arrivals``): with arrivals of the same
-        turn queued behind it, it makes the scheduler's move without a turn of
-        the scheduler's own.
-        """
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return
+        """Wake the waiting scheduler if this arrival may change its next move."""
         due = earliest(entry.req.deadline, entry.timeout_at)
-        if due is not None and (self._blocked_until is None or due < self._blocked_until):
-            self._poke()  # its timer must be armed: only the scheduler does that
-        elif self._arrivals is not None:
-            pass  # the callback of this turn looks at every queued arrival
-        elif self._queue.count == 1 and not self._unstarted:
-            self._arrivals = asyncio.get_running_loop().call_soon(self._send_arrivals)
-        elif self._queue.rows >= self._wake_rows:
-            self._poke()
-
-    def _send_arrivals(self) -> None:
-        """The scheduler's move on the arrivals of one loop turn, made while it waits.
-
-        Its timer is armed for every arrival's timers (or ``_wake_for`` woke it),
-        and every batch launched before holds its replica slot: the same decision
-        the scheduler would make one turn later (``_next_batch``). What stays
-        queued, or a batch that may not go yet, wakes the scheduler after all.
-        """
-        self._arrivals = None
-        waiter = self._waiter
-        if waiter is None or waiter.done() or self._unstarted or self._seam_error is not None:
-            self._poke()  # it is looking at the queue itself, or will once woken
-            return
-        now = self._clock.now()
-        self._queue.expire(now)
-        batch = self._next_batch(now)[0] if self._queue.count else None
-        if batch:
-            self._launch(batch)
-        if not batch or self._queue.count:
+        if self._waiter is not None and (
+            self._queue.rows >= self._wake_rows
+            or (due is not None and (self._blocked_until is None or due < self._blocked_until))
+        ):
             self._poke()
 
     def _check_idle(self) -> None:
@@ -360,12 +322,10 @@ class Batcher:
     def _launch(self, batch: list[Entry]) -> None:
         task = asyncio.create_task(self._run_batch(batch), name=f"batch:{self.name}")
         self._inflight[task] = batch
-        self._unstarted.add(task)
         task.add_done_callback(self._batch_done)
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         batch = self._inflight.pop(task, [])
-        self._unstarted.discard(task)  # cancelled before it ever ran
         if not task.cancelled() and task.exception() is not None:
             logger.error("model %s: batch task failed", self.name, exc_info=task.exception())
         if task.cancelled():
@@ -379,8 +339,6 @@ class Batcher:
         self._check_idle()
 
     async def _run_batch(self, batch: list[Entry]) -> None:
-        # From here to the router taking a replica slot nothing awaits (see _unstarted).
-        self._unstarted.discard(asyncio.current_task())  # type: ignore[arg-type]
         now = self._clock.now()
         live: list[Entry] = []
         for entry in batch:  # drop what was cancelled or expired since the batch formed
