@@ -110,6 +110,26 @@ async def test_requests_of_one_loop_turn_share_a_batch(rig) -> None:
     assert r.batches() == [["a", "b", "c"]]
 
 
+async def test_arrivals_of_one_turn_beyond_one_batch_go_in_the_next_one(rig) -> None:
+    # The first batch is sent before the scheduler looks again: the second must see its slot taken.
+    r = await rig(max_batch_size=4)
+    r.submit("a", rows=3)
+    r.submit("b", rows=2)  # same loop turn: no room left in a's batch
+    await settle()
+    assert r.batches() == [["a"]]  # one slot, taken by a's batch (the fixture checks no dispatch went past it)
+    r.backend.complete(0)
+    await settle()
+    assert r.batches() == [["a"], ["b"]]
+
+
+async def test_arrivals_of_one_turn_fill_every_free_replica(rig) -> None:
+    r = await rig(slots=2, max_batch_size=4)
+    for rid, rows in (("a", 3), ("b", 2), ("c", 2)):
+        r.submit(rid, rows=rows)
+    await settle()
+    assert r.batches() == [["a"], ["b", "c"]]
+
+
 # ---- fixed (Triton) ----
 
 
