@@ -26,9 +26,9 @@ MODEL_CONTROL_MODES = ("none", "explicit")
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
                  "input_shapes", "input_values", "collectives")
-# Keys of a `models.<name>` entry for placement and lifecycle (gateway/fleet/placement.py):
-# replicas at rest, the autoscaling ceiling, the idle TTL, the memory estimate.
-PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes")
+# `models.<name>` keys for placement (replicas, ceiling, idle TTL, memory: fleet/placement.py) and in-flight bounds.
+PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes", "busy_inflight_per_replica",
+                  "max_inflight_per_replica")
 
 
 class ConfigError(ValueError):
@@ -415,7 +415,7 @@ def _validate_fleet(config: GatewayConfig) -> None:
 def _validate_placement(name: str, settings: Mapping[str, Any]) -> None:
     if settings.get("from") or settings.get("path"):
         return  # a logical model: its replicas are its registry's (see _validate_logical)
-    for key, low in (("replicas", 1), ("max_replicas", 1), ("memory_bytes", 0)):
+    for key, low in (("replicas", 1), ("max_replicas", 1), ("memory_bytes", 0), *((k, 0) for k in PLACEMENT_KEYS[4:])):
         value = settings.get(key, low)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"models.{name}.{key} must be an integer >= {low}, got {value!r}")

@@ -43,7 +43,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tritonclient.grpc import service_pb2
@@ -148,6 +149,7 @@ class Router:
         retry_budget: RetryBudget | None = None,
         outliers: OutlierDetector | None = None,
         hedging: HedgeSettings | None = None,
+        per_model: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if max_inflight_per_replica < 0 or busy_inflight_per_replica < 0:
             raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be >= 0 (0 = derived)")
@@ -157,6 +159,11 @@ class Router:
         self.busy_inflight_per_replica = (
             min(busy_inflight_per_replica, max_inflight_per_replica) if max_inflight_per_replica else busy_inflight_per_replica
         )
+        # Per-model bounds (config ``models.<name>.busy_inflight_per_replica`` / ``max_inflight_per_replica``)
+        # over the gateway-wide ones: a light model batches better when one batch in flight makes a replica busy.
+        self._bounds = {name: (int(s.get("busy_inflight_per_replica", 0)), int(s.get("max_inflight_per_replica", 0)))
+                        for name, s in (per_model or {}).items()
+                        if s.get("busy_inflight_per_replica") or s.get("max_inflight_per_replica")}
         self.retry_limit = retry_limit
         self._backoff_s = retry_backoff_s
         self._backoff_max_s = retry_backoff_max_s
@@ -339,9 +346,11 @@ class Router:
         the config fixes either bound. In flight counts the worker's batches of
         every model: models on one worker share its cores (our worker's one pool).
         """
+        fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
+        fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
         served = worker.models.get(model)
-        busy = self.busy_inflight_per_replica or (served.slots if served is not None else 1)
-        most = self.max_inflight_per_replica or busy + 1
+        busy = fixed_busy or (served.slots if served is not None else 1)
+        most = fixed_most or busy + 1
         return min(busy, most), most
 
     def _free_slots(self, replicas: Sequence[WorkerState], model: str, *, busy: bool) -> int:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
+import pytest
+
+from gateway.config import ConfigError, load_config
 from gateway.fleet.cluster import Cluster
 from gateway.routing.router import Router
 from tests.unit.gateway.routing.test_router import started
@@ -67,3 +71,37 @@ async def test_idle_replicas_share_light_load_whatever_their_slots() -> None:
         assert picks == {a, b}  # both idle: equals, chosen at random
     finally:
         await cluster.stop()
+
+
+async def test_a_models_own_bounds_win_over_the_gateways_and_the_slots() -> None:
+    cluster, _ = await started("a:1")
+    (a,) = cluster.workers()
+    with_slots(cluster, "a:1", 2)
+    router = Router(cluster, max_inflight_per_replica=6, per_model={"m": {"busy_inflight_per_replica": 1}})
+    try:
+        # "m": busy after one batch (a light model batches more), full at the gateway-wide bound.
+        assert router.limits(a, "m") == (1, 6)
+        a.inflight = 1
+        assert not router.capacity("m").has_capacity() and router.capacity("m").has_room()
+        # Without its own bounds the same model is busy only at its two slots.
+        plain = Router(cluster, max_inflight_per_replica=6, per_model={"other": {"busy_inflight_per_replica": 1}})
+        assert plain.limits(a, "m") == (2, 6)
+        plain.close()
+        own_max = Router(cluster, per_model={"m": {"max_inflight_per_replica": 2}})
+        assert own_max.limits(a, "m") == (2, 2)  # busy at the slots, capped by its own max
+        own_max.close()
+    finally:
+        a.inflight = 0
+        router.close()
+        await cluster.stop()
+
+
+def test_a_models_bounds_are_checked_at_load_and_kept_out_of_its_batching(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text("models:\n  m:\n    mode: adaptive\n    busy_inflight_per_replica: 1\n")
+    config = load_config(path)
+    assert config.batching_settings("m") == {"mode": "adaptive"}
+    assert config.model_settings("m")["busy_inflight_per_replica"] == 1
+    path.write_text("models:\n  m:\n    max_inflight_per_replica: -1\n")
+    with pytest.raises(ConfigError, match="models.m.max_inflight_per_replica must be an integer >= 0"):
+        load_config(path)
