@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.app import add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
+from gateway.app import RunningGateway, add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
 from gateway.observability.trace_settings import trace_config
 from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
@@ -256,13 +256,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         log.info("stopping the local cluster")
         return 0
     finally:
-        for w in workers:
-            w.stopping = True
-        if running is not None:
-            await running.stop(config.shutdown_grace_s)
-        for task in list(supervisors):
-            task.cancel()
-        await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
+        await _stop_local_cluster(config, workers, running, supervisors)
 
 
 async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], count: int, token_file: Path | None,
@@ -312,13 +306,19 @@ async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], co
         log.info("stopping the local cluster")
         return 0
     finally:
-        for w in workers:
-            w.stopping = True
-        if group is not None:
-            await group.stop(config.shutdown_grace_s)
-        for task in list(supervisors):
-            task.cancel()
-        await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
+        await _stop_local_cluster(config, workers, group, supervisors)
+
+
+async def _stop_local_cluster(config: GatewayConfig, workers: list[LocalWorker],
+                              gateway: RunningGateway | GatewayProcesses | None, supervisors: set[asyncio.Task[None]]) -> None:
+    """The gateway first (it drains against live workers), then the workers' supervisors and the workers."""
+    for w in workers:
+        w.stopping = True  # a worker stopping now is not restarted
+    if gateway is not None:
+        await gateway.stop(config.shutdown_grace_s)
+    for task in list(supervisors):
+        task.cancel()
+    await asyncio.gather(*(w.stop(config.shutdown_grace_s + 5) for w in workers), return_exceptions=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,20 +71,20 @@ def grpc_url(gateway: Proc) -> str:
     return f"127.0.0.1:{gateway.ready['grpc_port']}"
 
 
-def http_call(gateway: Proc, call: Callable[[httpclient.InferenceServerClient], Any]) -> Any:
-    client = httpclient.InferenceServerClient(http_url(gateway))  # a fresh connection
+def _fresh_call(client: Any, call: Callable[[Any], Any]) -> Any:
+    """``call`` on a client of its own (a fresh connection or channel: any process may take it), then closed."""
     try:
         return call(client)
     finally:
         client.close()
+
+
+def http_call(gateway: Proc, call: Callable[[httpclient.InferenceServerClient], Any]) -> Any:
+    return _fresh_call(httpclient.InferenceServerClient(http_url(gateway)), call)
 
 
 def grpc_call(gateway: Proc, call: Callable[[grpcclient.InferenceServerClient], Any]) -> Any:
-    client = grpcclient.InferenceServerClient(grpc_url(gateway))  # a fresh channel
-    try:
-        return call(client)
-    finally:
-        client.close()
+    return _fresh_call(grpcclient.InferenceServerClient(grpc_url(gateway)), call)
 
 
 def post(gateway: Proc, path: str, doc: Any) -> tuple[str, int, Any]:
