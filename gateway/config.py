@@ -87,11 +87,12 @@ class GatewayConfig:
     # Batching defaults for every model; per-model keys in `models` win.
     batching_mode: str = "adaptive"
     max_queue_size: int = 1024
-    # Batches in flight per replica. Busy: adaptive batching sends at once only to
-    # a replica below it, and lets batches grow while all are at it. 0 (default) =
-    # from the replica: its execution slots for the model (busy), plus one (max).
+    # Batches in flight per replica (0 = derived): busy = the replica's execution slots for the
+    # model (adaptive batching sends at once only below it), max = busy + 1; busy = 1 for
+    # a model whose worker calls take under light_row_ms a row (gateway/routing/light.py).
     max_inflight_per_replica: int = 0
     busy_inflight_per_replica: int = 0
+    light_row_ms: float = 2.0
     # "unary" or "stream": see gateway.fleet.worker_stream.
     worker_calls: str = "unary"
     probe_interval_s: float = 2.0
@@ -140,8 +141,7 @@ class GatewayConfig:
     max_inflight_requests: int = 8192
     max_inflight_bytes: int = 2 * 2**30
     priority_reserve_percent: float = 10.0
-    # The workers' model repository, read by the gateway only to split the
-    # logical models declared with `from:` (`infergate up` fills it in).
+    # The workers' repository, read only to split the logical models declared with `from:` (`up` fills it in).
     model_repository: str = ""
     # Fleet (gateway/fleet/manager.py). Membership beyond `workers`: DNS names whose
     # every address is a worker (`[triton://]NAME:PORT`, re-resolved every
@@ -364,8 +364,8 @@ def _validate(config: GatewayConfig) -> None:
     for key in ("max_inflight_per_replica", "busy_inflight_per_replica"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (0 = from the replica's execution slots), got {getattr(config, key)}")
-    if config.cache_size < 0:
-        raise ConfigError(f"cache_size must be >= 0 bytes (0 turns the response cache off), got {config.cache_size}")
+    if config.cache_size < 0 or config.light_row_ms < 0:
+        raise ConfigError("cache_size (bytes) and light_row_ms must be >= 0 (0 turns them off)")
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")

@@ -83,7 +83,7 @@ class Gateway:
             retry_backoff_max_s=retry.backoff_max_s,
             retry_budget=RetryBudget.from_settings(retry),
             outliers=OutlierDetector(config.outlier_settings()),
-            hedging=config.hedge_settings(), per_model=config.models,
+            hedging=config.hedge_settings(), per_model=config.models, light_row_s=config.light_row_ms / 1000,
         )
         # Gateway-wide bounds on admitted requests (requests and bytes in flight).
         self.admission = Admission(config.admission_settings())

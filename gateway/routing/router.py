@@ -11,7 +11,9 @@ waiting batch that hides the round trip; a busy replica still takes a full
 one). A replica's slots for a model are what its served config states
 (``WorkerModel.slots``: instances, or our worker's stated execution count);
 ``busy_inflight_per_replica`` and ``max_inflight_per_replica`` fix the two
-bounds instead when set (0 = derived from the slots).
+bounds instead when set (0 = derived from the slots). A light model (little
+worker time per row, ``gateway.routing.light``) is busy at one batch: its
+requests batch up behind it instead of splitting over the slots.
 
 Failures: ``Unavailable`` answers and transport failures are retried -- the
 whole batch, on a replica not tried yet when there is one -- after a small
@@ -54,8 +56,10 @@ from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
 from gateway.routing.hedging import AttemptPolicy, HedgeSettings, LatencyTracker
+from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import Backoff, RetryBudget
+from protos import wire
 from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -150,6 +154,7 @@ class Router:
         outliers: OutlierDetector | None = None,
         hedging: HedgeSettings | None = None,
         per_model: Mapping[str, Mapping[str, Any]] | None = None,
+        light_row_s: float = 0.0,
     ) -> None:
         if max_inflight_per_replica < 0 or busy_inflight_per_replica < 0:
             raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be >= 0 (0 = derived)")
@@ -172,6 +177,7 @@ class Router:
         self.retry_budget = retry_budget or RetryBudget()
         self.outliers = outliers or OutlierDetector(clock=self._clock.now)
         self.latency = LatencyTracker()
+        self.row_costs = RowCosts(light_row_s)
         backoff = Backoff(retry_backoff_s, max(retry_backoff_s, retry_backoff_max_s), self._rng)
         self.attempts = AttemptPolicy(self.outliers, self.retry_budget, backoff, self.latency,
                                       hedging or HedgeSettings(), retry_limit, self._clock)
@@ -277,7 +283,10 @@ class Router:
         if slot_taken is not None:
             slot_taken()
         try:
-            return await worker.client.infer(request, timeout_s)
+            started = self._clock.now()
+            response = await worker.client.infer(request, timeout_s)
+            self.row_costs.observe(model, self._clock.now() - started, _rows(request))
+            return response
         except WorkerBusy as e:
             # A full queue is load, not a sick worker: another replica may have room.
             raise AttemptFailed(e, worker_fault=False) from None
@@ -343,13 +352,19 @@ class Router:
 
         Busy at its execution slots (every execution running), full one batch
         later (one waiting, so the next starts without a round trip), unless
-        the config fixes either bound. In flight counts the worker's batches of
-        every model: models on one worker share its cores (our worker's one pool).
+        the config fixes either bound; a light batching model is busy at one.
+        In flight counts the worker's batches of every model: models on one
+        worker share its cores (our worker's one pool).
         """
         fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
         fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
         served = worker.models.get(model)
-        busy = fixed_busy or (served.slots if served is not None else 1)
+        if fixed_busy or served is None:
+            busy = fixed_busy or 1
+        elif served.slots > 1 and served.config.max_batch_size > 0 and self.row_costs.light(model):
+            busy = 1
+        else:
+            busy = served.slots
         most = fixed_most or busy + 1
         return min(busy, most), most
 
@@ -425,3 +440,9 @@ class Router:
         for by_version in self._capacities.values():
             for cap in by_version.values():
                 cap._wake()
+
+
+def _rows(request: service_pb2.ModelInferRequest | wire.RawInferRequest) -> int:
+    """The rows of a batch: its first input's first dimension (1 when it has none)."""
+    inputs = (request.header if isinstance(request, wire.RawInferRequest) else request).inputs
+    return inputs[0].shape[0] if inputs and inputs[0].shape else 1

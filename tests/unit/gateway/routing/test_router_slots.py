@@ -1,18 +1,23 @@
 """Tests for gateway/routing/router.py's per-replica bounds: each replica's
-execution slots (from its served config) set when it is busy and when full."""
+execution slots (from its served config) set when it is busy and when full;
+a light model (gateway/routing/light.py) is busy at one batch."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from pathlib import Path
 
 import pytest
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.config import ConfigError, load_config
 from gateway.fleet.cluster import Cluster
+from gateway.routing.light import RowCosts
 from gateway.routing.router import Router
-from tests.unit.gateway.routing.test_router import started
+from tests.unit.gateway.batching.fakes import FakeClock
+from tests.unit.gateway.routing.test_router import started, until
 
 
 
@@ -105,3 +110,70 @@ def test_a_models_bounds_are_checked_at_load_and_kept_out_of_its_batching(tmp_pa
     path.write_text("models:\n  m:\n    max_inflight_per_replica: -1\n")
     with pytest.raises(ConfigError, match="models.m.max_inflight_per_replica must be an integer >= 0"):
         load_config(path)
+
+
+def batch(rows: int) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[rows, 16])
+    return request
+
+
+async def timed_calls(router: Router, fake: object, clock: FakeClock, calls: int, seconds: float, rows: int) -> None:
+    """``calls`` batches of ``rows`` through the router, each taking ``seconds`` on the fake clock."""
+    for _ in range(calls):
+        fake.hold = asyncio.Event()  # type: ignore[attr-defined]
+        task = asyncio.create_task(router.infer("m", "", batch(rows), None))
+        await until(lambda: bool(fake.infer_calls) and not task.done())  # type: ignore[attr-defined]
+        clock.t += seconds
+        fake.hold.set()  # type: ignore[attr-defined]
+        await task
+        fake.infer_calls.clear()  # type: ignore[attr-defined]
+
+
+async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_at_its_slots() -> None:
+    cluster, fleet = await started("a:1")
+    (a,) = cluster.workers()
+    fake = fleet.by_address["a:1"]
+    with_slots(cluster, "a:1", 2)
+    clock = FakeClock()
+    router = Router(cluster, clock=clock, light_row_s=0.002)
+    try:
+        assert router.limits(a, "m") == (2, 3)  # no calls yet: the slots
+        await timed_calls(router, fake, clock, 32, 0.004, 8)  # 0.5 ms a row
+        assert router.limits(a, "m") == (1, 2)
+        a.inflight = 1
+        assert not router.capacity("m").has_capacity() and router.capacity("m").has_room()
+        a.inflight = 0
+        # An explicit bound still wins over the rule.
+        fixed = Router(cluster, clock=clock, light_row_s=0.002, per_model={"m": {"busy_inflight_per_replica": 2}})
+        fixed.row_costs = router.row_costs
+        assert fixed.limits(a, "m") == (2, 3)
+        fixed.close()
+        # The same model turned heavy (20 ms a row over a whole window): its slots again.
+        await timed_calls(router, fake, clock, 256, 0.020, 1)
+        assert router.limits(a, "m") == (2, 3)
+        # A model that cannot batch (max_batch_size 0) gains nothing from waiting: never light.
+        a.models = {"m": dataclasses.replace(a.models["m"], config=model_config_pb2.ModelConfig(name="m"))}
+        router.row_costs.observe("m", 0.0, 1)
+        cheap = RowCosts(0.002, min_samples=1)
+        cheap.observe("m", 0.0001, 1)
+        router.row_costs = cheap
+        assert router.limits(a, "m") == (2, 3)
+    finally:
+        a.inflight = 0
+        router.close()
+        await cluster.stop()
+
+
+async def test_the_rule_is_off_at_zero() -> None:
+    cluster, fleet = await started("a:1")
+    (a,) = cluster.workers()
+    with_slots(cluster, "a:1", 2)
+    clock = FakeClock()
+    router = Router(cluster, clock=clock)  # light_row_s defaults to 0 here; the gateway's config sets it
+    try:
+        await timed_calls(router, fleet.by_address["a:1"], clock, 40, 0.0001, 8)
+        assert router.limits(a, "m") == (2, 3)
+    finally:
+        router.close()
+        await cluster.stop()
