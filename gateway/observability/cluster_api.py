@@ -216,12 +216,19 @@ def cluster_view(gateway: Gateway, devices: DeviceMonitor) -> dict[str, Any]:
             "max_batch_size": config.max_batch_size,
             "platform": config.platform or config.backend,
             "queue_depth": queued.get(name, 0),
+            # The light-model rule (gateway/routing/light.py): recent worker time per row, and the verdict.
+            "worker_ms_per_row": _ms(gateway.router.row_costs.median_row_s(name)),
+            "light": gateway.router.row_costs.light(name),
         })
     return {
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},
         "workers": workers,
         "models": models,
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def cluster_stats(gateway: Gateway) -> dict[str, Any]:
