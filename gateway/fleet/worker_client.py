@@ -218,8 +218,8 @@ class WorkerClient:
                 return RestrictedProtocol(details)
             if "load / unload is not allowed" in lowered:
                 return ModelControlDisabled(details)
-            if "is not at ready state" in lowered:
-                return ModelNotReady(details)
+            if "is not at ready state" in lowered or "server is stopping" in lowered:
+                return ModelNotReady(details)  # the second: a Triton server shutting down
         return from_grpc_code(code, details)
 
     # ---- inference --------------------------------------------------------

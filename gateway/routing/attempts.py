@@ -65,14 +65,19 @@ class AttemptFailed(Exception):
     ``worker_fault`` is False when the failure says nothing about the worker's
     health (it dropped one model): the call retries, the worker's circuit is untouched.
     ``suspect`` marks a failure that is the worker's or the batch's (INTERNAL):
-    one confirming attempt on another replica tells which.
+    one confirming attempt on another replica tells which. ``failover``: the
+    replica left the model's rotation (it unloads the model, or its server is
+    stopping), so the retry moves the batch off a replica that is going and is
+    granted whatever the retry budget (each such failure takes its replica out).
     """
 
-    def __init__(self, error: InferGateError, *, worker_fault: bool = True, suspect: bool = False) -> None:
+    def __init__(self, error: InferGateError, *, worker_fault: bool = True, suspect: bool = False,
+                 failover: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
-        self.worker_fault = worker_fault and not suspect
+        self.worker_fault = worker_fault and not suspect and not failover
         self.suspect = suspect
+        self.failover = failover
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +123,7 @@ class AttemptRace(Generic[_W, _R]):
         self._failures = 0
         self._last_failed: _W | None = None
         self._last_error: InferGateError | None = None
+        self._last_failover = False
         # Suspect failures (INTERNAL) awaiting their confirming attempt: (worker, error).
         self._suspects: list[tuple[_W, InferGateError]] = []
         # While the first attempt runs inline: it, the caller's task, its timer, and a winner.
@@ -249,7 +255,7 @@ class AttemptRace(Generic[_W, _R]):
         if failures > policy.retry_limit:
             log.warning("model %s: giving up after %d attempts, last on %s: %s", model, failures, where, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request ({failures} attempts)")
-        if not policy.budget.try_acquire():
+        if not policy.budget.try_acquire(failover=self._last_failover):
             if self._suspects:  # no confirming attempt: the cause goes back, no one is charged
                 raise self._suspects[-1][1]
             log.warning("model %s: retry budget spent (%d extra attempts in flight); not retrying after: %s",
@@ -318,7 +324,7 @@ class AttemptRace(Generic[_W, _R]):
                 policy.outliers.abandoned(address, self._model, elapsed, attempt.trial)
             self._failures += 1
             self._tried.add(attempt.worker)
-            self._last_failed, self._last_error = attempt.worker, error.error
+            self._last_failed, self._last_error, self._last_failover = attempt.worker, error.error, error.failover
             if error.suspect:
                 self._suspects.append((attempt.worker, error.error))
         else:  # the request's own fault or its deadline: says nothing about the worker

@@ -89,9 +89,15 @@ class RetryBudget:
         """Extra attempts allowed in flight right now."""
         return max(self._floor, math.floor(self._active * self._ratio))
 
-    def try_acquire(self) -> bool:
-        """Take a token for one extra attempt; False when the budget is spent."""
-        if self._extra >= self.limit():
+    def try_acquire(self, *, failover: bool = False) -> bool:
+        """Take a token for one extra attempt; False when the budget is spent.
+
+        A ``failover`` (the batch's replica left the model's rotation) always
+        gets one: it moves work off a replica that is going rather than adding
+        load, and each such failure takes its replica out, so they are bounded
+        by the replicas. Its token still counts while its attempt runs.
+        """
+        if self._extra >= self.limit() and not failover:
             self._denied += 1
             return False
         self._extra += 1

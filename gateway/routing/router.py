@@ -296,14 +296,14 @@ class Router:
                 self.cluster.mark_down(worker, str(e))
             elif isinstance(e, ModelNotReady):
                 self.cluster.model_gone(worker, model, str(e))
-                raise AttemptFailed(e, worker_fault=False) from None  # one model going, not a sick worker
+                raise AttemptFailed(e, failover=True) from None  # one model going, not a sick worker
             raise AttemptFailed(e) from None
         except ModelNotFound as e:
             worker.failures += 1
             self.cluster.model_gone(worker, model, str(e))
             if not any(w is not worker for w in self.cluster.healthy(model, version)):
                 raise
-            raise AttemptFailed(e, worker_fault=False) from None
+            raise AttemptFailed(e, failover=True) from None
         except Internal as e:
             # The worker's fault or the batch's: a confirming attempt elsewhere tells (gateway.routing.attempts).
             raise AttemptFailed(e, suspect=True) from None

@@ -456,7 +456,7 @@ def test_triton_stopped_mid_stream_loses_nothing_and_rejoins(
                     assert_outputs(infer(module, client, "mlp", feeds), references["mlp"](feeds))
                     done.append(1)
                 except (InferenceServerException, AssertionError) as e:
-                    errors.append(repr(e))
+                    errors.append(f"{type(e).__name__}: {e}")
         finally:
             client.close()
 

@@ -1,5 +1,6 @@
 """Tests for gateway/routing/retry_budget.py (the budget, the jittered backoff) and for
-the router's use of them: retries cannot amplify an outage.
+the router's use of them: retries cannot amplify an outage, and batches leaving
+a replica that is going always move.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import random
 import pytest
 from tritonclient.grpc import service_pb2
 
+from gateway.fleet.worker_client import ModelNotReady
 from gateway.routing.retry_budget import Backoff, RetryBudget, RetrySettings
 from gateway.routing.router import Router
 from protos.errors import Unavailable
-from tests.unit.gateway.routing.test_router import started
+from tests.unit.gateway.routing.test_router import started, until
 
 
 def test_budget_is_a_share_of_active_calls_with_a_floor() -> None:
@@ -94,5 +96,52 @@ async def test_outage_retries_are_bounded_by_the_budget() -> None:
         assert 40 < calls["n"] <= 40 + 8 * 4
         assert budget.counters().extra_inflight == 0 and budget.counters().active == 0
         assert all(w.inflight == 0 for w in cluster.workers())
+    finally:
+        await cluster.stop()
+
+
+def test_a_failover_gets_a_token_whatever_the_budget() -> None:
+    budget = RetryBudget(budget_percent=0.0, min_concurrency=0)
+    assert not budget.try_acquire()  # no budget at all for retries
+    assert budget.try_acquire(failover=True)  # but a batch leaving a replica that is going still moves
+    assert budget.counters().extra_inflight == 1  # and its token counts while it runs
+    budget.release()
+    assert budget.counters().extra_inflight == 0
+
+
+async def test_batches_on_a_stopping_replica_all_move_when_the_budget_is_spent() -> None:
+    """A Triton server shutting down answers every batch it holds "Server is stopping":
+    each one moves to the other replica even with no retry budget left, where a plain
+    failure would go back to its caller."""
+    cluster, fleet = await started("a:1", "b:1")
+    a, b = cluster.workers()
+    budget = RetryBudget(budget_percent=0.0, min_concurrency=0)
+    router = Router(cluster, max_inflight_per_replica=8, busy_inflight_per_replica=8, retry_backoff_s=0.0,
+                    retry_backoff_max_s=0.0, retry_budget=budget)
+    release = asyncio.Event()
+    held = {"n": 0}
+
+    async def stopping(*args: object, **kwargs: object) -> None:
+        held["n"] += 1
+        await release.wait()
+        raise ModelNotReady("[request id: <id_unknown>] Server is stopping, scheduler for model has stopped "
+                            "accepting new inference requests")
+
+    fleet["a:1"].infer = stopping  # type: ignore[method-assign]
+    try:
+        b.inflight = 8  # every batch goes to a first
+        tasks = [asyncio.create_task(router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None))
+                 for _ in range(5)]
+        await until(lambda: held["n"] == 5)
+        b.inflight = 0
+        release.set()
+        answers = await asyncio.gather(*tasks)
+        assert [r.id for r in answers] == ["b:1"] * 5
+        assert "m" not in a.models  # out of the model's rotation until a probe brings it back
+        assert budget.counters().extra_inflight == 0
+        # A plain failure with the same (empty) budget is not retried.
+        fleet["b:1"].infer_results = [Unavailable("worker overloaded")]
+        with pytest.raises(Unavailable, match="retries are limited"):
+            await router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None)
     finally:
         await cluster.stop()

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.seams import NotSent
 from gateway.fleet.cluster import Cluster, WorkerStatus
-from gateway.fleet.worker_client import WorkerBusy, WorkerClient, WorkerUnreachable
+from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerClient, WorkerUnreachable
 from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
 from gateway.routing.router import Router
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
@@ -492,5 +492,23 @@ async def test_worker_client_takes_a_workers_cancellation_as_its_fault(monkeypat
         error = client._map_error(grpc.aio.AioRpcError(
             grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="CANCELLED"))
         assert type(error) is WorkerUnreachable
+    finally:
+        await client.close()
+
+
+async def test_worker_client_takes_tritons_shutdown_refusal_as_the_model_leaving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton refuses new requests while it stops with UNAVAILABLE on a live connection: the replica is
+    going (its batches move, its circuit is not charged), as when it unloads the model."""
+    client = WorkerClient("127.0.0.1:1")
+    monkeypatch.setattr(client, "connected", lambda lane="data": True)
+    try:
+        error = client._map_error(grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+            details="[request id: <id_unknown>] Server is stopping, scheduler for model has stopped accepting "
+                    "new inference requests"))
+        assert type(error) is ModelNotReady
+        plain = client._map_error(grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="overloaded"))
+        assert type(plain) is not ModelNotReady
     finally:
         await client.close()
