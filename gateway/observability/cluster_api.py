@@ -216,9 +216,10 @@ def cluster_view(gateway: Gateway, devices: DeviceMonitor) -> dict[str, Any]:
             "max_batch_size": config.max_batch_size,
             "platform": config.platform or config.backend,
             "queue_depth": queued.get(name, 0),
-            # The light-model rule (gateway/routing/light.py): recent worker time per row, and the verdict.
+            # The light-model rule (gateway/routing/light.py): recent worker time per row, and the
+            # verdict (true light, false heavy, null not judged yet or the rule off).
             "worker_ms_per_row": _ms(gateway.router.row_costs.median_row_s(name)),
-            "light": gateway.router.row_costs.light(name),
+            "light": gateway.router.row_costs.verdict(name),
         })
     return {
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},

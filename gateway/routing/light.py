@@ -16,10 +16,21 @@ clients (311 -> 198). The measured per-row cost tells them apart: under
 :class:`RowCosts` keeps, per model, the recent successful worker calls'
 time per row as the gateway sees it, and calls a model *light* while the
 median is below the threshold (gateway setting ``light_row_ms``; 0 turns
-the rule off). Before ``min_samples`` calls no model is light: its first
-calls (one row each at low load, the dearest per row) decide. The state
-keeps itself: a light model's batches grow and its cost per row falls
-further; a heavy model's batches stay small and their cost per row high.
+the rule off) and *heavy* while it is not. Before ``min_samples`` calls a
+model is neither: its first calls (one row each at low load, the dearest
+per row) decide. The state keeps itself: a light model's batches grow and
+its cost per row falls further; a heavy model's batches stay small and
+their cost per row high.
+
+A heavy model gets the other half of the rule: its replicas count as idle
+until their waiting batch is there too (the router's busy bound is the
+slots plus one), so the next batch is on the worker when a slot frees
+instead of one gateway round trip later. Its rows cost the same whatever
+the batch, so sending the waiting batch early costs nothing; in steady
+state the batches are the rows that arrive during one execution either
+way. Measured on 2 cores, ``cnn_large`` at 8 single-row clients: the
+default kept 2 batches in flight 96% of the time (``/v2/cluster`` sampled
+every 10 ms) and left 0.22 of the machine idle.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ _REFRESH_EVERY = 32
 
 
 class RowCosts:
-    """Per model: the median worker time per row of recent calls, and whether it is light."""
+    """Per model: the median worker time per row of recent calls, and whether it is light or heavy."""
 
     def __init__(self, threshold_s: float, *, window: int = 256, min_samples: int = 32) -> None:
         if threshold_s < 0:
@@ -47,13 +58,13 @@ class RowCosts:
         if self.threshold_s:
             self._per_row.observe(model, seconds / max(1, rows))
 
-    def light(self, model: str) -> bool:
-        """Whether ``model`` is light now (False until it has ``min_samples`` calls, or with the rule off)."""
+    def verdict(self, model: str) -> bool | None:
+        """True: ``model`` is light now; False: heavy; None: not judged (too few calls, or the rule off)."""
         if not self.threshold_s:
-            return False
+            return None
         count = self._per_row.count(model)
         if count < self.min_samples:
-            return False
+            return None
         verdict = self._verdicts.get(model)
         if verdict is not None and count - verdict[0] < _REFRESH_EVERY:
             return verdict[1]
@@ -61,6 +72,12 @@ class RowCosts:
         light = median is not None and median < self.threshold_s
         self._verdicts[model] = (count, light)
         return light
+
+    def light(self, model: str) -> bool:
+        return self.verdict(model) is True
+
+    def heavy(self, model: str) -> bool:
+        return self.verdict(model) is False
 
     def median_row_s(self, model: str) -> float | None:
         """The recent median worker time per row of ``model`` in seconds (None before any call)."""

@@ -13,7 +13,8 @@ one). A replica's slots for a model are what its served config states
 ``busy_inflight_per_replica`` and ``max_inflight_per_replica`` fix the two
 bounds instead when set (0 = derived from the slots). A light model (little
 worker time per row, ``gateway.routing.light``) is busy at one batch: its
-requests batch up behind it instead of splitting over the slots.
+requests batch up behind it instead of splitting over the slots; a heavy
+one only once its waiting batch is on the worker too.
 
 Failures: ``Unavailable`` answers and transport failures are retried -- the
 whole batch, on a replica not tried yet when there is one -- after a small
@@ -352,20 +353,21 @@ class Router:
 
         Busy at its execution slots (every execution running), full one batch
         later (one waiting, so the next starts without a round trip), unless
-        the config fixes either bound; a light batching model is busy at one.
+        the config fixes either bound; a light batching model is busy at one,
+        a heavy one at its slots plus the waiting batch (``gateway.routing.light``).
         In flight counts the worker's batches of every model: models on one
         worker share its cores (our worker's one pool).
         """
         fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
         fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
         served = worker.models.get(model)
-        if fixed_busy or served is None:
-            busy = fixed_busy or 1
-        elif served.slots > 1 and served.config.max_batch_size > 0 and self.row_costs.light(model):
-            busy = 1
-        else:
-            busy = served.slots
-        most = fixed_most or busy + 1
+        busy, waiting = fixed_busy or (served.slots if served is not None else 1), 1
+        if not fixed_busy and served is not None and served.config.max_batch_size > 0:
+            # Light: one batch runs, the rest batch up behind it. Heavy: the waiting
+            # batch goes at once, to be on the worker when a slot frees.
+            verdict = self.row_costs.verdict(model)
+            busy, waiting = (busy, 1) if verdict is None else (1, 1) if verdict else (busy + 1, 0)
+        most = fixed_most or busy + waiting
         return min(busy, most), most
 
     def _free_slots(self, replicas: Sequence[WorkerState], model: str, *, busy: bool) -> int:

@@ -6,7 +6,7 @@ Two workers behind one gateway: an ONNX Runtime worker serving the example
 ``mlp`` (a fraction of a millisecond a row) and a simulated accelerator
 serving ``heavy``, an ``mlp``-shaped model whose every batch takes 6 ms.
 After enough single-row requests of each, ``mlp`` is light and ``heavy`` is
-not; with ``light_row_ms: 0`` neither is.
+heavy; with ``light_row_ms: 0`` neither is judged.
 """
 
 from __future__ import annotations
@@ -74,13 +74,13 @@ def test_a_cheap_model_is_light_and_a_dear_one_is_not(workers: tuple[Proc, Proc]
     proc = gateway(workers, tmp_path, 2.0)
     try:
         before = models_view(proc)
-        assert before["mlp"]["light"] is False and before["mlp"]["worker_ms_per_row"] is None  # no calls yet
+        assert before["mlp"]["light"] is None and before["mlp"]["worker_ms_per_row"] is None  # not judged yet
         single_rows(proc, "mlp", CALLS)
         single_rows(proc, "heavy", CALLS)
         view = models_view(proc)
         assert view["mlp"]["light"] is True, view["mlp"]
         assert view["mlp"]["worker_ms_per_row"] < 2.0
-        assert view["heavy"]["light"] is False, view["heavy"]
+        assert view["heavy"]["light"] is False, view["heavy"]  # heavy: judged, not light
         assert view["heavy"]["worker_ms_per_row"] >= 5.0  # its 6 ms batches of one row
     finally:
         proc.stop()
@@ -91,6 +91,6 @@ def test_zero_turns_the_rule_off(workers: tuple[Proc, Proc], tmp_path: Path) -> 
     try:
         single_rows(proc, "mlp", CALLS)
         view = models_view(proc)
-        assert view["mlp"]["light"] is False and view["mlp"]["worker_ms_per_row"] is None
+        assert view["mlp"]["light"] is None and view["mlp"]["worker_ms_per_row"] is None
     finally:
         proc.stop()

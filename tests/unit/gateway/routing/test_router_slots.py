@@ -1,6 +1,7 @@
 """Tests for gateway/routing/router.py's per-replica bounds: each replica's
 execution slots (from its served config) set when it is busy and when full;
-a light model (gateway/routing/light.py) is busy at one batch."""
+a light model (gateway/routing/light.py) is busy at one batch, a heavy one
+once its waiting batch is on the worker too."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ async def timed_calls(router: Router, fake: object, clock: FakeClock, calls: int
         fake.infer_calls.clear()  # type: ignore[attr-defined]
 
 
-async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_at_its_slots() -> None:
+async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_once_its_waiting_batch_is_sent() -> None:
     cluster, fleet = await started("a:1")
     (a,) = cluster.workers()
     fake = fleet.by_address["a:1"]
@@ -149,9 +150,15 @@ async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_at_its_slots() -> 
         fixed.row_costs = router.row_costs
         assert fixed.limits(a, "m") == (2, 3)
         fixed.close()
-        # The same model turned heavy (20 ms a row over a whole window): its slots again.
+        # The same model turned heavy (20 ms a row over a whole window): busy only once its
+        # waiting batch is there too, so a batch waits on the worker for each slot that frees.
         await timed_calls(router, fake, clock, 256, 0.020, 1)
-        assert router.limits(a, "m") == (2, 3)
+        assert router.limits(a, "m") == (3, 3)
+        a.inflight = 2
+        assert router.capacity("m").has_capacity()  # both slots run: the waiting batch still goes at once
+        a.inflight = 3
+        assert not router.capacity("m").has_capacity() and not router.capacity("m").has_room()
+        a.inflight = 0
         # A model that cannot batch (max_batch_size 0) gains nothing from waiting: never light.
         a.models = {"m": dataclasses.replace(a.models["m"], config=model_config_pb2.ModelConfig(name="m"))}
         router.row_costs.observe("m", 0.0, 1)
