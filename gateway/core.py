@@ -35,6 +35,7 @@ from gateway.observability.stats import GatewayStats
 from gateway.observability.trace_settings import TraceSettings, trace_config
 from gateway.observability.tracing import RequestTracing
 from gateway.parallel.serving import ParallelModels
+from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
@@ -83,7 +84,7 @@ class Gateway:
             retry_backoff_max_s=retry.backoff_max_s,
             retry_budget=RetryBudget.from_settings(retry),
             outliers=OutlierDetector(config.outlier_settings()),
-            hedging=config.hedge_settings(), per_model=config.models, light_row_s=config.light_row_ms / 1000,
+            hedging=config.hedge_settings(), per_model=config.models, row_costs=RowCosts(config.light_row_ms / 1000),
         )
         # Gateway-wide bounds on admitted requests (requests and bytes in flight).
         self.admission = Admission(config.admission_settings())

@@ -35,6 +35,9 @@ every 10 ms) and left 0.22 of the machine idle.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from gateway.routing.hedging import LatencyTracker
 
 # How many new calls before a model's verdict is looked at again.
@@ -44,11 +47,15 @@ _REFRESH_EVERY = 32
 class RowCosts:
     """Per model: the median worker time per row of recent calls, and whether it is light or heavy."""
 
-    def __init__(self, threshold_s: float, *, window: int = 256, min_samples: int = 32) -> None:
+    def __init__(self, threshold_s: float, *, window: int = 256, min_samples: int = 32,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         if threshold_s < 0:
             raise ValueError("the light-model threshold must be >= 0 (0 = off)")
         self.threshold_s = threshold_s
         self.min_samples = min_samples
+        # What the router times worker calls with: a fine clock (the event loop's
+        # is in whole milliseconds under uvloop, as coarse as a light call).
+        self.timer = timer
         self._per_row = LatencyTracker(window)
         # model -> (calls seen when judged, light)
         self._verdicts: dict[str, tuple[int, bool]] = {}

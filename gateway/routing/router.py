@@ -155,7 +155,7 @@ class Router:
         outliers: OutlierDetector | None = None,
         hedging: HedgeSettings | None = None,
         per_model: Mapping[str, Mapping[str, Any]] | None = None,
-        light_row_s: float = 0.0,
+        row_costs: RowCosts | None = None,
     ) -> None:
         if max_inflight_per_replica < 0 or busy_inflight_per_replica < 0:
             raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be >= 0 (0 = derived)")
@@ -178,7 +178,7 @@ class Router:
         self.retry_budget = retry_budget or RetryBudget()
         self.outliers = outliers or OutlierDetector(clock=self._clock.now)
         self.latency = LatencyTracker()
-        self.row_costs = RowCosts(light_row_s)
+        self.row_costs = row_costs or RowCosts(0.0)  # the light-model rule, off unless given
         backoff = Backoff(retry_backoff_s, max(retry_backoff_s, retry_backoff_max_s), self._rng)
         self.attempts = AttemptPolicy(self.outliers, self.retry_budget, backoff, self.latency,
                                       hedging or HedgeSettings(), retry_limit, self._clock)
@@ -284,9 +284,9 @@ class Router:
         if slot_taken is not None:
             slot_taken()
         try:
-            started = self._clock.now()
+            started = self.row_costs.timer()
             response = await worker.client.infer(request, timeout_s)
-            self.row_costs.observe(model, self._clock.now() - started, _rows(request))
+            self.row_costs.observe(model, self.row_costs.timer() - started, _rows(request))
             return response
         except WorkerBusy as e:
             # A full queue is load, not a sick worker: another replica may have room.

@@ -137,7 +137,7 @@ async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_once_its_waiting_b
     fake = fleet.by_address["a:1"]
     with_slots(cluster, "a:1", 2)
     clock = FakeClock()
-    router = Router(cluster, clock=clock, light_row_s=0.002)
+    router = Router(cluster, clock=clock, row_costs=RowCosts(0.002, timer=clock.now))
     try:
         assert router.limits(a, "m") == (2, 3)  # no calls yet: the slots
         await timed_calls(router, fake, clock, 32, 0.004, 8)  # 0.5 ms a row
@@ -146,8 +146,8 @@ async def test_a_light_model_is_busy_at_one_batch_a_heavy_one_once_its_waiting_b
         assert not router.capacity("m").has_capacity() and router.capacity("m").has_room()
         a.inflight = 0
         # An explicit bound still wins over the rule.
-        fixed = Router(cluster, clock=clock, light_row_s=0.002, per_model={"m": {"busy_inflight_per_replica": 2}})
-        fixed.row_costs = router.row_costs
+        fixed = Router(cluster, clock=clock, row_costs=router.row_costs,
+                       per_model={"m": {"busy_inflight_per_replica": 2}})
         assert fixed.limits(a, "m") == (2, 3)
         fixed.close()
         # The same model turned heavy (20 ms a row over a whole window): busy only once its
@@ -177,7 +177,7 @@ async def test_the_rule_is_off_at_zero() -> None:
     (a,) = cluster.workers()
     with_slots(cluster, "a:1", 2)
     clock = FakeClock()
-    router = Router(cluster, clock=clock)  # light_row_s defaults to 0 here; the gateway's config sets it
+    router = Router(cluster, clock=clock)  # no row_costs given: the rule is off; the gateway's config sets it
     try:
         await timed_calls(router, fleet.by_address["a:1"], clock, 40, 0.0001, 8)
         assert router.limits(a, "m") == (2, 3)
