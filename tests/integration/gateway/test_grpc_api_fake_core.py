@@ -11,136 +11,27 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpcclient
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from gateway.frontends.grpc_api import SERVICE_NAME, GrpcFrontend, add_grpc_services
-from gateway.types import InferRequest, InferResponse, Tensor
 from protos import codec
-from protos.errors import InvalidArgument, ModelNotFound, Overloaded
+from tests.integration.gateway.grpc_fake_core import Served, serve_grpc_fake_core
 
 WAIT_S = 10.0  # bound on waiting for an event that must happen; never a timing assert
 GRPC_TIMEOUT_ROUNDING_S = 1.0
 
 
-class FakeCore:
-    """Models: ``echo`` (each input back as ``<name>_out``), ``sum`` (A+B, FP32),
-    ``gate`` (waits for ``gate_open``), ``slow`` (never answers), ``fail``
-    (raises what the ``raise`` parameter names)."""
-
-    def __init__(self) -> None:
-        self.requests: list[InferRequest] = []
-        self.seen_at: dict[str, float] = {}  # request id -> loop.time() when the core got it
-        self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()
-        self.gate_open = asyncio.Event()
-        self.loads: list[tuple[str, dict[str, service_pb2.ModelRepositoryParameter]]] = []
-        self.unloads: list[tuple[str, bool]] = []
-
-    async def infer(self, request: InferRequest) -> InferResponse:
-        self.requests.append(request)
-        self.seen_at[request.id] = asyncio.get_running_loop().time()
-        if request.model == "echo":
-            wanted = {o.name for o in request.outputs}
-            outs = [Tensor(f"{t.name}_out", t.datatype, t.shape, t.data) for t in request.inputs]
-            outs = [t for t in outs if not wanted or t.name in wanted]
-        elif request.model == "sum":
-            a, b = (codec.decode(t.datatype, t.shape, t.data) for t in request.inputs)
-            dt, shape, raw = codec.encode(a + b)
-            outs = [Tensor("SUM", dt, tuple(shape), raw)]
-        elif request.model in ("gate", "slow"):
-            self.started.set()
-            try:
-                await (self.gate_open.wait() if request.model == "gate" else asyncio.Event().wait())
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-            outs = []
-        elif request.model == "dropped":  # the core's own wait was cancelled (e.g. a batcher closing)
-            raise asyncio.CancelledError
-        elif request.model == "fail":
-            kind = request.parameters.get("raise")
-            if kind == "overloaded":
-                raise Overloaded("queue full", retry_after_s=2.5)
-            if kind == "invalid":
-                raise InvalidArgument("input 'A' has the wrong shape")
-            raise RuntimeError("secret internal detail")
-        else:
-            raise ModelNotFound(f"unknown model '{request.model}'")
-        return InferResponse(request.model, "1", request.id, outs, {"_internal": 1})
-
-    def server_live(self) -> bool:
-        return True
-
-    def server_ready(self) -> bool:
-        return True
-
-    def server_metadata(self) -> service_pb2.ServerMetadataResponse:
-        return service_pb2.ServerMetadataResponse(name="fake", version="9", extensions=["model_repository"])
-
-    def model_ready(self, name: str, version: str = "") -> bool:
-        return name == "echo"
-
-    def _known(self, name: str) -> None:
-        if name != "echo":
-            raise ModelNotFound(f"unknown model '{name}'")
-
-    def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
-        self._known(name)
-        md = service_pb2.ModelMetadataResponse(name=name, versions=["1"], platform="onnxruntime_onnx")
-        md.inputs.add(name="A", datatype="FP32", shape=[-1, 3])
-        return md
-
-    def model_config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig:
-        self._known(name)
-        return model_config_pb2.ModelConfig(name=name, max_batch_size=8)
-
-    async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
-        stats = service_pb2.ModelStatisticsResponse()
-        stats.model_stats.add(name=name or "echo", version="1", inference_count=5)
-        return stats
-
-    async def repository_index(self, ready_only: bool = False) -> service_pb2.RepositoryIndexResponse:
-        index = service_pb2.RepositoryIndexResponse()
-        index.models.add(name="echo", version="1", state="READY")
-        if not ready_only:
-            index.models.add(name="cold", state="UNAVAILABLE")
-        return index
-
-    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
-        self.loads.append((name, parameters))
-
-    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        self.unloads.append((name, unload_dependents))
-
-
-@dataclass
-class Served:
-    core: FakeCore
-    frontend: GrpcFrontend
-    url: str
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
-    core = FakeCore()
-    server = grpc.aio.server()
-    frontend = add_grpc_services(server, core)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    frontend.set_serving(True)
-    try:
-        yield Served(core, frontend, f"127.0.0.1:{port}")
-    finally:
-        await server.stop(grace=None)
+    async with serve_grpc_fake_core() as running:
+        yield running
+
 
 
 @pytest.fixture
@@ -395,89 +286,3 @@ async def test_stream_cancel_cancels_core(served: Served, stub: service_pb2_grpc
     await asyncio.wait_for(served.core.started.wait(), WAIT_S)
     call.cancel()
     await asyncio.wait_for(served.core.cancelled.wait(), WAIT_S)
-
-
-# ---- metadata, repository, health ----------------------------------------------------
-
-
-async def test_metadata_config_statistics_repository_sync_client(served: Served) -> None:
-    def call() -> None:
-        with grpcclient.InferenceServerClient(served.url) as client:
-            assert client.is_server_live() and client.is_server_ready()
-            assert client.get_server_metadata().name == "fake"
-            assert client.is_model_ready("echo") and not client.is_model_ready("other")
-            assert client.get_model_metadata("echo").inputs[0].shape == [-1, 3]
-            assert client.get_model_config("echo").config.max_batch_size == 8
-            assert client.get_inference_statistics("echo").model_stats[0].inference_count == 5
-            assert [m.name for m in client.get_model_repository_index().models] == ["echo", "cold"]
-            client.load_model("echo", config='{"max_batch_size": 4}', files={"file:1/model.onnx": b"\x01\x02"})
-            client.unload_model("echo", unload_dependents=True)
-            with pytest.raises(InferenceServerException) as info:
-                client.get_model_config("other")
-            assert info.value.status() == "StatusCode.NOT_FOUND"
-
-    await asyncio.to_thread(call)
-    ((name, params),) = served.core.loads
-    assert name == "echo"
-    assert params["config"].string_param == '{"max_batch_size": 4}'
-    assert params["file:1/model.onnx"].bytes_param == b"\x01\x02"
-    assert served.core.unloads == [("echo", True)]
-
-
-async def test_repository_index_ready_only_asyncio_client(served: Served) -> None:
-    async with aiogrpcclient.InferenceServerClient(served.url) as client:
-        index = await client.get_model_repository_index(as_json=True)
-        assert [m["name"] for m in index["models"]] == ["echo", "cold"]
-    stub_index = await _call_ready_index(served.url)
-    assert [m.name for m in stub_index.models] == ["echo"]
-
-
-async def _call_ready_index(url: str) -> service_pb2.RepositoryIndexResponse:
-    async with grpc.aio.insecure_channel(url) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        return await stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True))
-
-
-async def test_health_service_and_set_serving(served: Served) -> None:
-    async with grpc.aio.insecure_channel(served.url) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-        async def status(service: str) -> int:
-            return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
-
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-        assert (await asyncio.wait_for(watch.read(), WAIT_S)).status == serving
-        assert [await status(""), await status(SERVICE_NAME)] == [serving, serving]
-        assert (await infer.ServerReady(service_pb2.ServerReadyRequest())).ready
-        served.frontend.set_serving(False)
-        assert (await asyncio.wait_for(watch.read(), WAIT_S)).status == not_serving
-        assert [await status(""), await status(SERVICE_NAME)] == [not_serving, not_serving]
-        assert not (await infer.ServerReady(service_pb2.ServerReadyRequest())).ready
-        assert (await infer.ServerLive(service_pb2.ServerLiveRequest())).live
-        served.frontend.set_serving(True)
-        assert (await asyncio.wait_for(watch.read(), WAIT_S)).status == serving
-        assert await status(SERVICE_NAME) == serving
-        watch.cancel()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await status("no.such.Service")
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
-
-
-async def test_not_serving_until_set() -> None:
-    server = grpc.aio.server()
-    frontend = add_grpc_services(server, FakeCore())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            ready = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerReady
-            assert (await check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert not (await ready(service_pb2.ServerReadyRequest())).ready
-            frontend.set_serving(True)
-            assert (await check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
-            assert (await ready(service_pb2.ServerReadyRequest())).ready
-    finally:
-        await server.stop(grace=None)
