@@ -88,8 +88,8 @@ class GatewayConfig:
     batching_mode: str = "adaptive"
     max_queue_size: int = 1024
     # Batches in flight per replica (0 = derived): busy = the replica's execution slots for the
-    # model (adaptive batching sends at once only below it), max = busy + 1; busy = 1 for
-    # a model whose worker calls take under light_row_ms a row (gateway/routing/light.py).
+    # model (adaptive batching sends at once only below it), max = busy + 1; a batching model
+    # under light_row_ms a row is busy at 1, one at or over it at max (gateway/routing/light.py).
     max_inflight_per_replica: int = 0
     busy_inflight_per_replica: int = 0
     light_row_ms: float = 2.0

@@ -80,12 +80,6 @@ class RowCosts:
         self._verdicts[model] = (count, light)
         return light
 
-    def light(self, model: str) -> bool:
-        return self.verdict(model) is True
-
-    def heavy(self, model: str) -> bool:
-        return self.verdict(model) is False
-
     def median_row_s(self, model: str) -> float | None:
         """The recent median worker time per row of ``model`` in seconds (None before any call)."""
         return self._per_row.percentile(model, 50.0)
