@@ -13,6 +13,7 @@ one process's view.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -171,10 +172,18 @@ def _sum_fields(into: dict[str, Any], other: dict[str, Any], fields: Iterable[st
 
 
 def merge_cluster_view(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """``/v2/cluster``: the first document's view, with load counters and queue depths summed."""
+    """``/v2/cluster``: the first document's view, with load counters and queue depths summed.
+
+    Each process judges light models on its own calls: a model's ``light`` is the
+    verdict every process that has judged agrees on (null while none has, or when
+    they differ), ``light_by_process`` each one's, ``worker_ms_per_row`` their median.
+    """
     base = docs[0]
     workers = {w["address"]: w for w in base["workers"]}
     models = {m["name"]: m for m in base["models"]}
+    verdicts: dict[str, list[Any]] = {name: [m.get("light")] for name, m in models.items()}
+    costs: dict[str, list[float]] = {name: [m["worker_ms_per_row"]] if m.get("worker_ms_per_row") is not None else []
+                                     for name, m in models.items()}
     for doc in docs[1:]:
         for w in doc["workers"]:
             if w["address"] in workers:
@@ -183,6 +192,14 @@ def merge_cluster_view(docs: list[dict[str, Any]]) -> dict[str, Any]:
         for m in doc["models"]:
             if m["name"] in models:
                 models[m["name"]]["queue_depth"] += m["queue_depth"]
+                verdicts[m["name"]].append(m.get("light"))
+                if m.get("worker_ms_per_row") is not None:
+                    costs[m["name"]].append(m["worker_ms_per_row"])
+    for name, m in models.items():
+        judged = {v for v in verdicts[name] if v is not None}
+        m["light"] = judged.pop() if len(judged) == 1 else None
+        m["light_by_process"] = verdicts[name]
+        m["worker_ms_per_row"] = round(statistics.median(costs[name]), 3) if costs[name] else None
     base["gateway"]["processes"] = len(docs)
     return base
 

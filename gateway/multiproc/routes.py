@@ -75,8 +75,8 @@ class GroupViews:
 
     async def cluster(self) -> dict[str, Any]:
         await self.devices.refresh(w.address for w in self.gateway.cluster.workers())
-        others = await self.group.gather("GET", "cluster")
-        return merge_cluster_view([cluster_view(self.gateway, self.devices), *map(orjson.loads, others)])
+        return merge_cluster_view(await self._in_index_order(cluster_view(self.gateway, self.devices), "cluster",
+                                                             orjson.loads))
 
     async def cluster_stats(self) -> dict[str, Any]:
         return merge_cluster_stats(await self._in_index_order(cluster_stats(self.gateway), "cluster_stats",

@@ -174,6 +174,14 @@ def test_every_process_answers_the_exact_whole_gateway_statistics(worker: Proc, 
         for texts in from_every_process(gateway, "/v2/cluster/stats").values():
             (doc,) = [m for m in json.loads(texts[-1])["models"] if m["model"] == "simple"]
             assert doc["success"] == sent and doc["inferences"] == sent
+        # Each process judges light models on its own calls; /v2/cluster shows every verdict, in process order.
+        views = {b for v in from_every_process(gateway, "/v2/cluster").values() for b in v}
+        judged = {json.dumps([(m["light"], m["light_by_process"]) for m in json.loads(b)["models"]
+                              if m["name"] == "simple"]) for b in views}
+        assert len(judged) == 1, judged
+        ((light, by_process),) = json.loads(judged.pop())
+        agreed = set(by_process) - {None}
+        assert len(by_process) == 2 and light == (agreed.pop() if len(agreed) == 1 else None), by_process
     finally:
         gateway.stop()
     assert all(gone(pid) for pid in gateway.ready["gateway_pids"])

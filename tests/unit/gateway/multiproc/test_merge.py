@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2
@@ -104,6 +106,7 @@ def test_cluster_documents_sum_counters_on_one_view() -> None:
     assert merged["workers"][0]["load"] == {"inflight_batches": 4, "batches_sent": 20, "failures": 0, "retries": 2}
     assert merged["models"][0]["queue_depth"] == 6 and merged["models"][0]["replicas"] == ["w1"]
     assert merged["gateway"]["processes"] == 2
+    assert merged["models"][0]["light"] is None and merged["models"][0]["light_by_process"] == [None, None]
 
     def stats(success: int, counts: list[int]) -> dict:
         return {"time": 1.0, "latency_bounds_s": [0.1], "models": [
@@ -126,3 +129,30 @@ def test_a_peer_error_comes_back_as_the_same_class(error: Exception) -> None:
 def test_a_peer_answer_that_is_not_ours_is_unavailable() -> None:
     back = error_from_peer(502, b"<html>bad gateway</html>")
     assert isinstance(back, Unavailable) and "502" in back.message
+
+
+def _judged(light: bool | None, ms: float | None) -> dict:
+    return {"gateway": {}, "workers": [], "models": [{"name": "a", "queue_depth": 0, "light": light,
+                                                     "worker_ms_per_row": ms}]}
+
+
+@pytest.mark.parametrize(("verdicts", "light"), [
+    ([True, True, None], True),  # a process that has not judged yet does not hold the others back
+    ([False, False, False], False),
+    ([True, False, True], None),  # the processes disagree: no one verdict
+    ([None, None, None], None),
+])
+def test_cluster_view_aggregates_each_process_light_verdict(verdicts: list, light: bool | None) -> None:
+    costs = [None if v is None else (0.2 if v else 9.0) for v in verdicts]
+    merged = merge_cluster_view([_judged(v, ms) for v, ms in zip(verdicts, costs)])["models"][0]
+    assert merged["light"] is light
+    assert merged["light_by_process"] == verdicts
+    judged = sorted(ms for ms in costs if ms is not None)
+    assert merged["worker_ms_per_row"] == (None if not judged else round(statistics.median(judged), 3))
+
+
+def test_cluster_view_worker_cost_is_the_median_over_processes() -> None:
+    merged = merge_cluster_view([_judged(True, 0.2), _judged(True, 0.4), _judged(True, 1.5)])["models"][0]
+    assert merged["worker_ms_per_row"] == 0.4
+    merged = merge_cluster_view([_judged(True, 0.2), _judged(True, 0.45)])["models"][0]
+    assert merged["worker_ms_per_row"] == 0.325
