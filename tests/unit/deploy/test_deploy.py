@@ -330,11 +330,15 @@ def test_image_commands_match_the_manifests(rendered: dict[str, list[dict[str, A
 
 
 def test_healthchecks_target_the_served_ports() -> None:
+    # The ports each image's own command serves on (its flags, else the defaults).
+    gateway_args = parse_args(image_command("gateway.Dockerfile"))
+    http_port = gateway_args.http_port if gateway_args.http_port is not None else load_config().http_port
     gateway = " ".join(image_healthcheck("gateway.Dockerfile"))
-    assert "http://127.0.0.1:8000/v2/health/ready" in gateway
+    assert f"http://127.0.0.1:{http_port}/v2/health/ready" in gateway
     assert "/v2/health/ready" in served_get_paths()
+    worker_port = parse_args(image_command("worker.Dockerfile")).port
     worker = " ".join(image_healthcheck("worker.Dockerfile"))
-    assert "'127.0.0.1:8001'" in worker and "HealthStub" in worker
+    assert f"'127.0.0.1:{worker_port}'" in worker and "HealthStub" in worker
 
 
 def requirement_names(text: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ import pytest
 
 from loadtest.cli import add_arguments, config_from_args
 from loadtest.config import (
+    DEFAULT_PORTS,
     BenchConfig,
     BenchError,
     Distribution,
@@ -77,9 +78,9 @@ def test_parse_shape_int_range_header() -> None:
 def test_config_defaults_and_normalisation() -> None:
     cfg = BenchConfig(model="simple", protocol="grpc", distribution="poisson")
     assert cfg.protocol is Protocol.GRPC and cfg.distribution is Distribution.POISSON
-    assert cfg.url == "localhost:8001"
+    assert cfg.url == f"localhost:{DEFAULT_PORTS[Protocol.GRPC]}"
     assert cfg.mode is LoadMode.CONCURRENCY and cfg.levels == (1.0,)
-    assert BenchConfig(model="m").url == "localhost:8000"
+    assert BenchConfig(model="m").url == f"localhost:{DEFAULT_PORTS[Protocol.HTTP]}"
     assert BenchConfig(model="m", url="http://h:9/").url == "h:9"
     rate = BenchConfig(model="m", request_rate=(10, 20))
     assert rate.mode is LoadMode.REQUEST_RATE and rate.levels == (10.0, 20.0)
