@@ -208,6 +208,8 @@ def internal_app(views: GroupViews) -> web.Application:
         return web.Response(body=views.local_metrics())
 
     async def cluster(_r: web.Request) -> web.Response:
+        # Any process's view may be the merged document's base: its devices are read as fresh.
+        await views.devices.refresh(w.address for w in gateway.cluster.workers())
         return _json(cluster_view(gateway, views.devices))
 
     async def stats_doc(_r: web.Request) -> web.Response:

@@ -320,6 +320,9 @@ def test_up_runs_several_gateway_processes(model_repo: Path) -> None:
             infer_fresh(up)
         (model,) = json.loads(fetch(up, "/v2/models/simple/stats")[1])["model_stats"]
         assert model["inference_count"] == 20
+        # Whatever process answers /v2/cluster, the worker's devices are read from its metrics.
+        for process, bodies in from_every_process(up, "/v2/cluster").items():
+            assert all(w["devices"] for b in bodies for w in json.loads(b)["workers"]), process
     finally:
         up.stop()
     assert all(gone(pid) for pid in pids + [w["pid"] for w in up.ready["workers"]])
