@@ -1,25 +1,39 @@
 """The infergate gateway: the serving path between clients and workers.
 
-At the top, ``core`` (the request path: resolve, validate, admit, queue,
-route, answer) and ``app`` (process wiring: which parts start and stop in
-which order), with ``config`` (one loader that assembles every part's
-settings), ``types`` (the internal request and response), ``limits``
-(gateway-wide admission and deadlines) and ``up`` (a local cluster in one
-command). Below, one package per concern:
+A request enters at ``frontends.http_api`` or ``frontends.grpc_api`` and goes
+on to ``core.Gateway``; ``app`` wires a process together.
 
-- ``frontends``: HTTP/REST and gRPC, their wire codecs, guards, validation;
-- ``batching``: the per-model queue and its policy, batch assembly;
-- ``routing``: replica choice, attempts, retry budget, hedging, ejection;
-- ``fleet``: cluster view, membership, placement, drain, worker client;
-- ``security``: API keys, TLS, the frontends' access checks;
-- ``observability``: statistics, Prometheus metrics, cluster API, dashboard;
-- ``caching``: the response cache (Triton's ``response_cache``);
-- ``ensembles``: Triton ensembles, each step a request through the core;
-- ``parallel``: serving split models (plans come from ``splitter``).
+The layers, one a line with what it owns, from the lowest (1) to the
+highest: a module may import modules of its own layer or of a lower-numbered
+one, never of a higher-numbered one; this package's root (``gateway``) may be
+imported by all. This list is the one statement of the rule:
+``tests/unit/test_architecture.py`` reads it from here and fails on an import
+against it, naming both files. A layer named here may be absent while it is
+being built.
 
-May import: ``protos``, ``serverkit``, ``splitter``; never ``workers``,
-``loadtest`` or ``batchjobs``. A request enters at ``frontends.http_api`` or
-``frontends.grpc_api`` and goes on to ``core.Gateway``.
+1. ``settings``: every part's settings records, nested per concern; imports nothing of ours.
+2. ``config``: the one loader: config file, flags and environment into those settings.
+3. ``types``: the internal request and response, and the core's protocol for the frontends.
+4. ``limits``: gateway-wide admission (requests and bytes in flight) and deadlines.
+5. ``requests``: request logic below the core: validation, classification, shared memory.
+6. ``ensembles``: Triton ensembles, each step a request through the core.
+7. ``observability``: statistics, latency, Prometheus metrics, cluster API, dashboard, tracing.
+8. ``caching``: the response cache (Triton's ``response_cache``).
+9. ``batching``: the per-model queue and its policy, batch assembly.
+10. ``fleet``: cluster view, membership, placement, the drain procedure, worker client.
+11. ``routing``: replica choice, attempts, retry budget, hedging, ejection, sequences.
+12. ``parallel``: serving split models (plans come from ``splitter``).
+13. ``frontends``: HTTP/REST and gRPC, wire codecs, guards, admin routes, HTTP error answers.
+14. ``security``: API keys, TLS, the frontends' access checks, the worker token.
+15. ``multiproc``: several gateway processes behind one pair of ports.
+16. ``core``: the request path: resolve, validate, admit, queue, route, answer.
+17. ``pipeline``: the request path as named steps, in one file.
+18. ``composition``: builds every part from the config and hands each its collaborators.
+19. ``app``: process wiring: which parts start and stop in which order.
+20. ``up``: a local cluster (workers and a gateway) in one command.
+
+May import, besides: ``protos``, ``serverkit``, ``splitter``; never
+``workers``, ``loadtest`` or ``batchjobs``.
 """
 
 __version__ = "0.1.0"

@@ -24,8 +24,9 @@ from aiohttp import web
 
 from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load_config, parse_bool
 from gateway.core import Gateway
-from gateway.fleet.drain import add_drain_routes
+from gateway.fleet.drain import LocalDrains
 from gateway.fleet.registry import add_registry_service
+from gateway.frontends.admin_routes import add_drain_routes
 from gateway.frontends.cuda_ipc import probe_cuda
 from gateway.frontends.grpc_api import add_grpc_services
 from gateway.frontends.grpc_guard import MalformedRequestGuard
@@ -227,7 +228,7 @@ async def start_gateway(
     if group is None:
         add_metrics_routes(app, gateway)
         devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
-        add_drain_routes(app, gateway)
+        add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.drain_timeout_s)
     else:
         assert isinstance(gateway, GroupGateway)
         views = GroupViews(gateway, worker_metrics_urls)

@@ -40,7 +40,7 @@ from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes, is_stateful
-from gateway.security.setup import worker_client_factory
+from gateway.security.setup import worker_client_factory, worker_token
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFound, Unavailable
 
@@ -93,7 +93,7 @@ class Gateway:
         self.parallel = ParallelModels(config, self.cluster, self.router)
         # Membership beyond the static list (DNS, registration), placement and
         # model lifecycle, draining. `placement` is read by the metrics (moves).
-        self.fleet = Fleet(config, self.cluster)
+        self.fleet = Fleet(config, self.cluster, worker_token=worker_token(config))
         self.placement = self.fleet.placement
         self.stats = GatewayStats()
         # Stateful models (sequence_batching): each sequence pinned to the worker holding its state.

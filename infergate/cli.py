@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.up", "start a local cluster: N workers and a gateway"),
     "bench": ("loadtest.cli", "load-test any KServe v2 server (perf_analyzer style)"),
     "split": ("splitter.cli", "split an ONNX model for tensor/pipeline parallelism"),
-    "drain": ("gateway.fleet.drain", "drain a worker: move its models, finish its work"),
+    "drain": ("infergate.drain", "drain a worker: move its models, finish its work"),
     "batch": ("batchjobs.cli", "stream a data set through the gateway (offline job)"),
 }
 

@@ -6,12 +6,14 @@ Triton servers through ``triton_discovery``; its records are in ``view``);
 worker; membership sources are the static list (``membership``), DNS
 (``discovery``) and self-registration (``registry``, ``worker_reports``);
 ``placement``, ``rendezvous`` and ``demand`` keep models on workers;
-``drain`` empties a worker; ``repository`` forwards the repository extension;
+``drain`` empties a worker (its HTTP endpoints are admin routes of the
+frontends); ``repository`` forwards the repository extension;
 ``readiness`` says what the gateway is asked to serve and cannot (strict
 readiness); ``manager`` starts and stops these parts in order.
 
 May import: ``gateway.config``, ``gateway.types``, ``protos``, ``serverkit``
-(the worker client's trace propagation), tritonclient's stubs; ``drain`` also serves its HTTP endpoints with the frontends' error
-responses. Nothing here handles an inference request; the router reads the
+(the worker client's trace propagation), tritonclient's stubs. What it
+needs from above (the open sequences a drain waits for, the worker token)
+is handed in. Nothing here handles an inference request; the router reads the
 cluster's view.
 """

@@ -1,5 +1,4 @@
-"""Draining a worker so it can stop with no request failing: the gateway's
-procedure, its HTTP endpoints, and ``infergate drain``.
+"""Draining a worker so it can stop with no request failing: the procedure.
 
 The procedure (:func:`drain_worker`), in this order:
 
@@ -20,44 +19,50 @@ If some model cannot be placed elsewhere within the timeout, the drain is
 undone and answered 409 with those models, unless ``force`` is given.
 A logical model's shards are moved by the parallel registry, not here.
 
-HTTP (admin, under ``/v2/cluster/``):
-``POST /v2/cluster/workers/{address}/drain[?timeout_s=S&force=true]``,
-``POST /v2/cluster/workers/{address}/undrain`` and
-``GET /v2/cluster/placement`` (the placement controller's view).
-
-Each gateway drains on its own: with several gateways, drain on each
-(``infergate drain WORKER -u URL1 -u URL2``).
+The procedure reads and changes only what :class:`DrainSubject` names (the
+cluster, the placement controller, the open sequences), so it needs no
+gateway. Its HTTP endpoints are admin routes
+(``gateway.frontends.admin_routes``); the command is ``infergate drain``
+(``infergate.drain``). Each gateway drains on its own: with several
+gateways, drain on each.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import urllib.error
-import urllib.parse
-import urllib.request
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import orjson
-from aiohttp import web
-
-from gateway.fleet.placement import is_shard
-from gateway.frontends.http_api import error_response
-
-if TYPE_CHECKING:
-    from gateway.core import Gateway
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.placement import PlacementController, is_shard
 
 log = logging.getLogger(__name__)
 
 INFLIGHT_POLL_S = 0.05
 
 
-async def drain_worker(gateway: Gateway, address: str, *, timeout_s: float, force: bool = False) -> tuple[int, dict[str, Any]]:
+class OpenSequences(Protocol):
+    """The stateful sequences pinned to each worker (``gateway.routing.sequences``)."""
+
+    def open_on(self, address: str) -> int: ...
+
+
+class DrainSubject(Protocol):
+    """What a drain reads and changes: the gateway's parts, not the gateway."""
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    @property
+    def placement(self) -> PlacementController: ...
+
+    @property
+    def sequences(self) -> OpenSequences: ...
+
+
+async def drain_worker(subject: DrainSubject, address: str, *, timeout_s: float, force: bool = False) -> tuple[int, dict[str, Any]]:
     """Drain ``address``; (HTTP status, result document)."""
-    cluster, placement = gateway.cluster, gateway.fleet.placement
+    cluster, placement = subject.cluster, subject.placement
     worker = cluster.worker(address)
     if worker is None:
         return 404, {"error": f"no worker {address}"}
@@ -90,7 +95,7 @@ async def drain_worker(gateway: Gateway, address: str, *, timeout_s: float, forc
     # there), bounded by the deadline. Open sequences are never moved: their
     # state lives on this worker, which keeps serving them while DRAINING.
     def open_sequences() -> int:
-        return gateway.sequences.open_on(address)
+        return subject.sequences.open_on(address)
 
     while (worker.inflight > 0 or open_sequences() > 0) and loop.time() < deadline:
         await asyncio.sleep(INFLIGHT_POLL_S)
@@ -102,90 +107,29 @@ async def drain_worker(gateway: Gateway, address: str, *, timeout_s: float, forc
                  "stranded": left, "inflight": worker.inflight, "open_sequences": sequences}
 
 
-def undrain_worker(gateway: Gateway, address: str) -> tuple[int, dict[str, Any]]:
-    worker = gateway.cluster.worker(address)
+def undrain_worker(subject: DrainSubject, address: str) -> tuple[int, dict[str, Any]]:
+    """Put a drained worker back into service; (HTTP status, result document)."""
+    worker = subject.cluster.worker(address)
     if worker is None:
         return 404, {"error": f"no worker {address}"}
-    gateway.fleet.placement.include(address)
+    subject.placement.include(address)
     if worker.draining:
-        gateway.cluster.set_draining(address, False)
+        subject.cluster.set_draining(address, False)
     return 200, {"address": address, "state": worker.state.name.lower()}
 
 
-def add_drain_routes(app: web.Application, gateway: Gateway) -> None:
-    """Mount the drain, undrain and placement endpoints (before the app is set up)."""
+class LocalDrains:
+    """The drain endpoints' answers in a gateway of one process
+    (``gateway.multiproc.routes.GroupViews`` answers them among several)."""
 
-    def answer(status: int, body: dict[str, Any]) -> web.Response:
-        if status >= 400:
-            return error_response(status, str(body.get("error", "")))
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+    def __init__(self, subject: DrainSubject) -> None:
+        self._subject = subject
 
-    async def drain(request: web.Request) -> web.Response:
-        try:
-            timeout_s = float(request.query.get("timeout_s", gateway.config.drain_timeout_s))
-        except ValueError:
-            return error_response(400, "timeout_s must be a number of seconds")
-        force = request.query.get("force", "").lower() in ("1", "true", "yes")
-        status, body = await drain_worker(gateway, request.match_info["address"], timeout_s=timeout_s, force=force)
-        if status == 409:
-            return web.Response(status=409, body=orjson.dumps(body), content_type="application/json")
-        return answer(status, body)
+    async def drain(self, address: str, timeout_s: float, force: bool) -> tuple[int, dict[str, Any]]:
+        return await drain_worker(self._subject, address, timeout_s=timeout_s, force=force)
 
-    async def undrain(request: web.Request) -> web.Response:
-        return answer(*undrain_worker(gateway, request.match_info["address"]))
+    async def undrain(self, address: str) -> tuple[int, dict[str, Any]]:
+        return undrain_worker(self._subject, address)
 
-    async def placement(_request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(gateway.fleet.placement.view()), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})
-
-    app.router.add_post("/v2/cluster/workers/{address}/drain", drain)
-    app.router.add_post("/v2/cluster/workers/{address}/undrain", undrain)
-    app.router.add_get("/v2/cluster/placement", placement)
-
-
-# ---- infergate drain -------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("worker", metavar="WORKER", help="the worker's address, HOST:PORT, as the gateway lists it")
-    parser.add_argument("-u", "--url", action="append", default=[], metavar="GATEWAY_HTTP",
-                        help="a gateway's HTTP address (repeat for each gateway; default http://127.0.0.1:8000)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds to move models and finish in-flight work "
-                        "(default: the gateway's drain_timeout_s)")
-    parser.add_argument("--force", action="store_true", help="drain even if some model has no replica elsewhere")
-    parser.add_argument("--undrain", action="store_true", help="put a drained worker back into service")
-    parser.add_argument("--key-file", default=None, metavar="FILE", help="admin key for a gateway with keys (README: Security)")
-
-
-def _call(url: str, worker: str, args: argparse.Namespace, key: str | None) -> tuple[int, dict[str, Any]]:
-    base = url if "://" in url else f"http://{url}"
-    action = "undrain" if args.undrain else "drain"
-    query = {k: v for k, v in (("timeout_s", args.timeout), ("force", "true" if args.force else None)) if v is not None}
-    target = f"{base.rstrip('/')}/v2/cluster/workers/{urllib.parse.quote(worker, safe='')}/{action}"
-    if query:
-        target += "?" + urllib.parse.urlencode(query)
-    request = urllib.request.Request(target, data=b"", method="POST")
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    # The gateway answers once the drain is done: wait at least as long as it may take.
-    timeout = (args.timeout or 600.0) + 30.0
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except ValueError:
-            return e.code, {"error": e.reason}
-    except (urllib.error.URLError, OSError) as e:
-        return 0, {"error": f"cannot reach {base}: {getattr(e, 'reason', e)}"}
-
-
-def run(args: argparse.Namespace) -> int:
-    key = Path(args.key_file).read_text().strip() if args.key_file else None
-    failed = False
-    for url in args.url or ["http://127.0.0.1:8000"]:
-        status, body = _call(url, args.worker, args, key)
-        print(json.dumps({"gateway": url, "status": status, **body}), flush=True)
-        failed |= status != 200 or (not args.undrain and body.get("state") != "drained")
-    return 1 if failed else 0
+    async def placement(self) -> dict[str, Any]:
+        return self._subject.placement.view()

@@ -23,19 +23,22 @@ from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.membership import Membership
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
-from gateway.security.setup import _worker_token
 
 log = logging.getLogger(__name__)
 
 
 class Fleet:
-    def __init__(self, config: GatewayConfig, cluster: Cluster, *, clock: Callable[[], float] | None = None) -> None:
+    """``worker_token`` is the token registering workers must present ("" for none),
+    read by whoever builds the fleet (``gateway.security.setup.worker_token``)."""
+
+    def __init__(self, config: GatewayConfig, cluster: Cluster, *, worker_token: str = "",
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.cluster = cluster
         self.membership = Membership(cluster, config.workers)
         kwargs = {"clock": clock} if clock is not None else {}
         self.registry = Registry(self.membership, heartbeat_interval_s=config.heartbeat_interval_s,
-                                 misses_to_down=config.heartbeat_misses_to_down, token=_worker_token(config), **kwargs)
+                                 misses_to_down=config.heartbeat_misses_to_down, token=worker_token, **kwargs)
         self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.dns_refresh_s)
                           if config.worker_dns else None)
         self.placement = PlacementController(config, cluster, self.registry, **kwargs)

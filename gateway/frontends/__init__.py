@@ -2,7 +2,8 @@
 
 HTTP/REST (``http_api`` with its body codec ``http_codec``, Triton's raw
 binary request form ``raw_binary`` and the management endpoints' JSON
-``http_json``) and gRPC
+``http_json``; every HTTP error answer through ``http_errors``; the fleet's
+admin endpoints, drain and placement, in ``admin_routes``) and gRPC
 (``grpc_api`` with its wire conversion ``grpc_wire`` and the undecodable-
 message guard ``grpc_guard``) decode a wire request into one
 ``gateway.types.InferRequest`` and encode the answer back; ``validation``

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -44,6 +43,7 @@ from gateway.frontends.http_codec import (
     inflate_bounded,
     parse_json_object,
 )
+from gateway.frontends.http_errors import error_response
 from gateway.frontends.http_extensions import add_extension_routes
 from gateway.frontends.http_json import (
     bool_field,
@@ -133,7 +133,7 @@ def create_http_app(
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place errors become responses: ``{"error": message}`` with the error's status."""
+    """The one place raised errors become responses (``gateway.frontends.http_errors``)."""
     try:
         return await handler(request)
     except InferGateError as exc:
@@ -162,13 +162,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unexpected error serving %s %s (request id %r)", request.method, request.path,
                       _request_id.get())
         return error_response(500, Internal.caused_by(f"serving {request.path}", exc, _request_id.get()).message)
-
-
-def error_response(status: int, message: str, *, retry_after_s: float | None = None) -> web.Response:
-    response = web.Response(status=status, body=orjson.dumps({"error": message}), content_type="application/json")
-    if retry_after_s is not None:
-        response.headers[hdrs.RETRY_AFTER] = str(max(0, math.ceil(retry_after_s)))
-    return response
 
 
 def _json(value: Any) -> web.Response:

@@ -26,7 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.drain import drain_worker, undrain_worker
-from gateway.frontends.http_api import error_response
+from gateway.frontends.admin_routes import add_drain_routes
 from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
 from gateway.multiproc.peers import PEER_PREFIX, error_body
@@ -142,7 +142,9 @@ class GroupViews:
 
 
 def add_group_routes(app: web.Application, views: GroupViews) -> None:
-    """The whole-gateway observability and drain routes (before the app is set up)."""
+    """The whole-gateway observability and drain routes (before the app is set up);
+    the drain routes are the single-process ones (``gateway.frontends.admin_routes``)
+    answered by ``views``."""
     index = str(views.group.index)
 
     async def stamp(_request: web.Request, response: web.StreamResponse) -> None:
@@ -157,21 +159,6 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
     async def stats(_request: web.Request) -> web.Response:
         return _json(await views.cluster_stats())
 
-    async def drain(request: web.Request) -> web.Response:
-        timeout_s = _float(request, "timeout_s", views.gateway.config.drain_timeout_s)
-        force = request.query.get("force", "").lower() in ("1", "true", "yes")
-        status, body = await views.drain(request.match_info["address"], timeout_s, force)
-        if 400 <= status != 409:
-            return error_response(status, str(body.get("error", "")))
-        return _json(body, status)
-
-    async def undrain(request: web.Request) -> web.Response:
-        status, body = await views.undrain(request.match_info["address"])
-        return error_response(status, str(body.get("error", ""))) if status >= 400 else _json(body)
-
-    async def placement(_request: web.Request) -> web.Response:
-        return _json(await views.placement())
-
     async def close(_app: web.Application) -> None:
         await views.devices.close()
 
@@ -180,9 +167,7 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v2/cluster", cluster)
     app.router.add_get("/v2/cluster/stats", stats)
-    app.router.add_post("/v2/cluster/workers/{address}/drain", drain)
-    app.router.add_post("/v2/cluster/workers/{address}/undrain", undrain)
-    app.router.add_get("/v2/cluster/placement", placement)
+    add_drain_routes(app, views, default_timeout_s=views.gateway.config.drain_timeout_s)
 
 
 def _internal(views: GroupViews, handler: Handler) -> Handler:

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from aiohttp import hdrs, web
 
-from gateway.frontends.http_api import error_response
+from gateway.frontends.http_errors import error_response
 from gateway.security.api_keys import Access, KeyStore
 from protos.errors import InferGateError, Unauthenticated, retry_metadata
 

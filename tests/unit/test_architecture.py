@@ -1,6 +1,7 @@
 """The house's shape, read from the source with ``ast``: no import circles, the
 gateway and the worker never import each other, the offline packages import
-no server, and no module outgrows one concept.
+no server, inside the gateway imports run down its declared layers (the list
+in ``gateway/__init__.py``'s docstring), and no module outgrows one concept.
 
 Every import counts, including those under ``TYPE_CHECKING`` and inside
 functions: a circle hidden from the interpreter is still a circle for a reader.
@@ -9,6 +10,8 @@ functions: a circle hidden from the interpreter is still a circle for a reader.
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -142,6 +145,84 @@ def test_packages_import_only_what_they_may(package: str) -> None:
             if target.split(".")[0] in FORBIDDEN[package]:
                 bad.append(f"{name} imports {target}")
     assert not bad, "\n".join(bad)
+
+
+# ---- layers inside the gateway -----------------------------------------------------
+
+# A layer line of the gateway's docstring: "3. ``types``: what it owns" (several
+# names on one line, comma-separated, make one layer).
+_LAYER_LINE = re.compile(r"^\s*\d+\.\s+((?:``[A-Za-z_]\w*``(?:,\s*)?)+):")
+
+
+def declared_layers(doc: str) -> list[tuple[str, ...]]:
+    """The layers a docstring declares, lowest first, each the names on its line."""
+    return [tuple(re.findall(r"``(\w+)``", m.group(1))) for line in doc.splitlines()
+            if (m := _LAYER_LINE.match(line))]
+
+
+def gateway_layers() -> list[tuple[str, ...]]:
+    return declared_layers(ast.get_docstring(ast.parse((ROOT / "gateway" / "__init__.py").read_text())) or "")
+
+
+def layering_violations(graph: Mapping[str, set[str]], layers: Sequence[tuple[str, ...]],
+                        paths: Mapping[str, str], root: str = "gateway") -> list[str]:
+    """Every import inside ``root`` from a lower layer into a higher one, and every
+    module of ``root`` in no layer; each names the files involved.
+
+    A module's layer is its first name below ``root`` (``gateway.fleet.drain`` is
+    in ``fleet``; ``gateway.core`` in ``core``); ``root`` itself is importable by all.
+    """
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+
+    def layer_of(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == root and len(parts) > 1 else None
+
+    bad = []
+    for importer, targets in sorted(graph.items()):
+        if (low := layer_of(importer)) is None:
+            continue
+        if low not in rank:
+            bad.append(f"{paths[importer]}: '{low}' is in no layer of {root}/__init__.py's docstring")
+            continue
+        for target in sorted(targets):
+            high = layer_of(target)
+            if high is not None and high in rank and rank[high] > rank[low]:
+                bad.append(f"{paths[importer]} imports {paths[target]}: layer {rank[low] + 1} '{low}' "
+                           f"may not import layer {rank[high] + 1} '{high}'")
+    return bad
+
+
+def test_layering_check_names_both_files_of_a_planted_violation() -> None:
+    layers = [("low",), ("mid", "side"), ("high",)]
+    graph = {
+        "pkg.low.a": {"pkg.high.b", "pkg"},        # against the order
+        "pkg.mid": {"pkg.side.c", "pkg.low.a"},    # the same layer, and a lower one
+        "pkg.high.b": {"pkg.mid", "pkg.low.a"},    # lower ones
+        "pkg.side.c": set(),
+        "pkg.stray": {"pkg.low.a"},                 # in no layer
+        "pkg": set(),
+    }
+    paths = {name: name.replace(".", "/") + ".py" for name in graph}
+    assert layering_violations(graph, layers, paths, root="pkg") == [
+        "pkg/low/a.py imports pkg/high/b.py: layer 1 'low' may not import layer 3 'high'",
+        "pkg/stray.py: 'stray' is in no layer of pkg/__init__.py's docstring",
+    ]
+
+
+def test_layers_are_read_from_the_gateway_docstring() -> None:
+    doc = "Intro.\n\n1. ``a``: owns a.\n2. ``b``, ``c``: own b and c.\n\n   3. not a layer\nMay import: ``x``.\n"
+    assert declared_layers(doc) == [("a",), ("b", "c")]
+    layers = gateway_layers()
+    names = [name for layer in layers for name in layer]
+    assert len(names) == len(set(names)), f"a layer named twice: {names}"
+    assert names.index("frontends") < names.index("core") < names.index("app")
+
+
+def test_gateway_imports_run_down_its_layers() -> None:
+    paths = {name: str(path.relative_to(ROOT)) for name, path in project_modules().items()}
+    bad = layering_violations(import_graph(), gateway_layers(), paths)
+    assert not bad, "imports against the layers of gateway/__init__.py:\n" + "\n".join(bad)
 
 
 def test_modules_stay_small() -> None:

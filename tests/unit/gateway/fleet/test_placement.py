@@ -364,7 +364,7 @@ async def test_drain_moves_every_model_before_the_worker_stops_taking_work() -> 
         # A model loaded outside placement, on the drained worker only.
         fakes.by_address[drained].loaded.add("simple")
         await cluster.refresh()
-        gateway = SimpleNamespace(cluster=cluster, fleet=SimpleNamespace(placement=controller),
+        gateway = SimpleNamespace(cluster=cluster, placement=controller,
                                   sequences=SimpleNamespace(open_on=lambda address: 0))
         status, body = await drain_worker(gateway, drained, timeout_s=10)  # type: ignore[arg-type]
         assert status == 200 and body["state"] == "drained" and body["moved"] == ["simple"]
@@ -382,7 +382,7 @@ async def test_drain_is_undone_when_a_model_has_nowhere_to_go() -> None:
         drained = addresses(2)[0]
         fakes.by_address[drained].loaded.add("private")  # in no other worker's repository
         await cluster.refresh()
-        gateway = SimpleNamespace(cluster=cluster, fleet=SimpleNamespace(placement=controller),
+        gateway = SimpleNamespace(cluster=cluster, placement=controller,
                                   sequences=SimpleNamespace(open_on=lambda address: 0))
         status, body = await drain_worker(gateway, drained, timeout_s=1)  # type: ignore[arg-type]
         assert status == 409 and body["stranded"] == ["private"]
