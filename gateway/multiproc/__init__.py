@@ -16,7 +16,7 @@ workers' registrations, heartbeats and deregistrations on to every process;
 the internal ones.
 
 May import: ``gateway.core``, ``gateway.config``, ``gateway.fleet``,
-``gateway.observability``, ``gateway.frontends`` (error responses, the
+``gateway.observability``, ``gateway.frontends`` (the admin routes, the
 extension state it extends), ``serverkit``, ``protos``. ``gateway.app``
 imports this package, never the other way round.
 """

@@ -8,7 +8,7 @@ from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
 ``tracing`` the traces the frontends and the core take with them.
 
 May import: ``serverkit`` (the Prometheus text format, tracing),
-``gateway.config``, ``gateway.fleet``, ``gateway.ensembles`` (the record of
+``gateway.config``, ``gateway.ensembles`` (the record of
 an ensemble's steps), ``gateway.types``, ``protos``; the live gateway is read through the object
 ``app`` hands in. Nothing here is on the request path except the counters
 the core updates and the trace contexts (one check while tracing is off).
