@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import WorkerSpec
+from gateway.config import GatewayConfig, WorkerSpec
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.discovery import DnsDiscovery
+from gateway.fleet.manager import Fleet
 from gateway.fleet.membership import Membership
 from gateway.fleet.registry import Registry
 from protos import cluster_pb2
@@ -109,6 +110,18 @@ async def test_token_and_bad_requests() -> None:
         with pytest.raises(InvalidArgument):
             await registry.register(register_request("no-port"))
         assert cluster.workers() == []
+    finally:
+        await cluster.stop()
+
+
+async def test_the_fleet_checks_registrations_against_the_token_it_is_given() -> None:
+    cluster, _ = await make_cluster()
+    try:
+        fleet = Fleet(GatewayConfig(), cluster, worker_token="s3cret")
+        with pytest.raises(Unauthenticated):
+            fleet.registry.check_token([("authorization", "Bearer wrong")])
+        fleet.registry.check_token([("authorization", "Bearer s3cret")])
+        Fleet(GatewayConfig(), cluster).registry.check_token([])  # none given: open
     finally:
         await cluster.stop()
 
