@@ -60,7 +60,8 @@ class DrainSubject(Protocol):
     def sequences(self) -> OpenSequences: ...
 
 
-async def drain_worker(subject: DrainSubject, address: str, *, timeout_s: float, force: bool = False) -> tuple[int, dict[str, Any]]:
+async def drain_worker(subject: DrainSubject, address: str, *, timeout_s: float,
+                       force: bool = False) -> tuple[int, dict[str, Any]]:
     """Drain ``address``; (HTTP status, result document)."""
     cluster, placement = subject.cluster, subject.placement
     worker = cluster.worker(address)
