@@ -148,9 +148,12 @@ class WorkerSecurity:
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address``; the bound port, 0 when binding failed."""
-        if self.credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, self.credentials)
+        try:
+            if self.credentials is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, self.credentials)
+        except RuntimeError:  # grpcio raises where older releases returned 0
+            return 0
 
     def describe(self) -> str:
         parts = ["token" if self.token_digest is not None else "",

@@ -90,9 +90,12 @@ class GatewaySecurity:
 
     def add_grpc_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address`` (TLS when configured); the bound port, 0 when binding failed."""
-        if self.grpc_credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, self.grpc_credentials)
+        try:
+            if self.grpc_credentials is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, self.grpc_credentials)
+        except RuntimeError:  # grpcio raises where older releases returned 0
+            return 0
 
 
 def _worker_token(config: GatewayConfig) -> str:
