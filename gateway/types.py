@@ -62,6 +62,11 @@ class InferRequest:
     trace: Any = None
 
 
+def request_name(req: InferRequest) -> str:
+    """How a message names a request: by its id, or by what it is when it has none."""
+    return f"request '{req.id}'" if req.id else f"a request of model '{req.model}'"
+
+
 @dataclass(slots=True)
 class InferResponse:
     model: str
