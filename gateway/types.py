@@ -8,7 +8,6 @@ appears where math is done.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -104,7 +103,3 @@ class InferenceCore(Protocol):
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None: ...
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
-
-
-def new_future() -> asyncio.Future[InferResponse]:
-    return asyncio.get_running_loop().create_future()
