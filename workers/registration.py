@@ -41,6 +41,7 @@ import grpc
 from protos import cluster_pb2, cluster_pb2_grpc
 from workers.manager import ModelManager
 from workers.metrics import GpuMonitor, HostMonitor
+from serverkit.tasks import log_task_death
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ class Registration:
             self._channels[gateway] = channel
             task = asyncio.create_task(self._loop(gateway, cluster_pb2_grpc.ClusterMembershipStub(channel)),
                                        name=f"register:{gateway}")
-            task.add_done_callback(_log_death)
+            task.add_done_callback(log_task_death)
             self._tasks[gateway] = task
 
     async def stop(self, timeout_s: float = 3.0) -> None:
@@ -331,11 +332,6 @@ class Registration:
         self._registered[gateway] = True
         logger.info("registered with gateway %s as %s", gateway, self._config.address)
         return answer.heartbeat_interval_s or interval
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("registration task died", exc_info=task.exception())
 
 
 # ---- command line ------------------------------------------------------------------
