@@ -41,6 +41,7 @@ import grpc
 from protos import cluster_pb2, cluster_pb2_grpc
 from workers.manager import ModelManager
 from workers.metrics import GpuMonitor, HostMonitor
+from serverkit.nvml import Nvml
 from serverkit.tasks import log_task_death
 
 logger = logging.getLogger(__name__)
@@ -192,21 +193,11 @@ class ProcessGpuMemory:
     """This process's memory on every GPU, through NVML (the nvidia-ml-py package)."""
 
     def __init__(self) -> None:
-        self._nvml: Any = None
-        self._tried = False
+        self._nvml = Nvml("GPU memory measurement")
 
     def bytes(self) -> int | None:
         """None when NVML cannot tell (no package, driver or GPU)."""
-        if not self._tried:
-            self._tried = True
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            except Exception as e:  # noqa: BLE001 - no package, library or driver: all mean "cannot tell"
-                logger.debug("no GPU memory measurement: %s", e)
-        nvml = self._nvml
+        nvml = self._nvml.get()
         if nvml is None:
             return None
         total = 0
@@ -223,12 +214,7 @@ class ProcessGpuMemory:
         return total
 
     def close(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
-            self._nvml = None
+        self._nvml.close()
 
 
 class Registration:
