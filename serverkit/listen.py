@@ -1,5 +1,5 @@
-"""Why a server cannot listen on its port, in one line for the person who
-started it: the port, the cause and the flag that chooses another.
+"""Listening on a port, and saying why a server cannot, in one line for the
+person who started it: the port, the cause and the flag that chooses another.
 
 aiohttp hands us the bind's ``OSError``; gRPC only says that no address was
 added, so there the port is probed with a plain socket to tell "already in
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import socket
+
+import grpc
 
 
 def _probe(host: str, port: int) -> OSError | None:
@@ -33,3 +35,13 @@ def cannot_listen(protocol: str, host: str, port: int, flag: str, error: OSError
         return f"{protocol} port {port} is already in use: choose another with {flag}"
     reason = cause.strerror if cause is not None and cause.strerror else "the address cannot be bound"
     return f"cannot listen for {protocol} on {host}:{port} ({reason}): check the address, or choose another port with {flag}"
+
+
+def add_grpc_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``address`` (TLS with ``credentials``); the bound port, 0 when binding failed."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        return 0
