@@ -47,16 +47,20 @@ def _processes_naming(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize(("flag", "protocol"), [("--http-port", "HTTP"), ("--grpc-port", "gRPC")])
+@pytest.mark.parametrize(("flag", "protocol", "extra"), [
+    ("--http-port", "HTTP", ()),
+    ("--grpc-port", "gRPC", ()),
+    ("--http-port", "HTTP", ("--gateway-processes", "2")),  # the ports reserved before the processes start
+])
 def test_up_with_its_port_taken_says_so_in_one_line(
-    model_repo: Path, tmp_path: Path, taken_port: int, flag: str, protocol: str
+    model_repo: Path, tmp_path: Path, taken_port: int, flag: str, protocol: str, extra: tuple[str, ...]
 ) -> None:
     # A repository of this test's own: its path names every process `up` starts.
     repo = tmp_path / "repository"
     shutil.copytree(model_repo / "simple", repo / "simple")
     other = "--grpc-port" if flag == "--http-port" else "--http-port"
     cmd = infergate_cmd("up", "--workers", "1", "--model-repository", str(repo), "--host", "127.0.0.1",
-                        flag, str(taken_port), other, "0")
+                        flag, str(taken_port), other, "0", *extra)
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90, check=False)
     finally:
