@@ -20,7 +20,7 @@ install: $(STAMP) $(MODELS_STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 $(MODELS_STAMP): $(STAMP) models/build.py models/sequences.py

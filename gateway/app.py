@@ -46,6 +46,7 @@ from gateway.observability.trace_settings import trace_config
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
+from serverkit.listen import cannot_listen
 from serverkit.process import install_event_loop_policy, setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,8 @@ async def start_gateway(
         add_group_registry_service(grpc_server, gateway.fleet.registry, group)
     grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
-        raise ConfigError(f"cannot listen for gRPC on {config.host}:{config.grpc_port}")
+        await gateway.stop(0)
+        raise ConfigError(cannot_listen("gRPC", config.host, config.grpc_port, "--grpc-port"))
     await grpc_server.start()
 
     app = create_http_app(gateway, max_request_bytes=config.max_request_bytes, shm=shm, logs=logs,
@@ -243,7 +245,11 @@ async def start_gateway(
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.http_port, reuse_port=group is not None,
                        ssl_context=security.ssl_context, backlog=HTTP_LISTEN_BACKLOG)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # the port taken, most often: one line for the person who started us, all of it stopped
+        await RunningGateway(gateway, runner, grpc_server, frontend, 0, grpc_port, peer_runner, shm).stop(0)
+        raise ConfigError(cannot_listen("HTTP", config.host, config.http_port, "--http-port", e)) from None
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)
     log.info("gateway serving: HTTP %s:%d, gRPC %s:%d, %d worker(s)", config.host, http_port, config.host, grpc_port, len(config.workers))

@@ -8,7 +8,6 @@ appears where math is done.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +61,11 @@ class InferRequest:
     trace: Any = None
 
 
+def request_name(req: InferRequest) -> str:
+    """How a message names a request: by its id, or by what it is when it has none."""
+    return f"request '{req.id}'" if req.id else f"a request of model '{req.model}'"
+
+
 @dataclass(slots=True)
 class InferResponse:
     model: str
@@ -99,7 +103,3 @@ class InferenceCore(Protocol):
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None: ...
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
-
-
-def new_future() -> asyncio.Future[InferResponse]:
-    return asyncio.get_running_loop().create_future()

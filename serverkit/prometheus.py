@@ -5,11 +5,16 @@ counters built with bare sample names (Triton's, e.g.
 ``nv_inference_request_success``) keep them rather than gaining a ``_total``
 suffix, so dashboards written for Triton work unchanged. Counters built with
 ``CounterMetricFamily`` keep their ``_total`` samples as usual.
+
+:class:`ModelCounters` declares Triton's per-model ``nv_inference_*`` counters
+once for both servers: the names and labels are Triton's, the help texts too
+unless a server's numbers mean something else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -17,6 +22,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MODEL_LABELS = ("model", "version")
 _TEXT_TYPES = {"unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
 
 
@@ -59,3 +65,45 @@ class TritonCounter(Metric):
 
     def add_metric(self, labels: list[str], value: float) -> None:
         self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels)), value, None, None))
+
+
+# Triton's per-model counters, by field of :class:`ModelCounters`: the family's name and Triton's help text.
+_MODEL_COUNTERS = {
+    "success": ("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
+    "failure": ("nv_inference_request_failure", "Number of failed inference requests, all batch sizes"),
+    "count": ("nv_inference_count", "Number of inferences performed (does not include cached requests)"),
+    "execs": ("nv_inference_exec_count", "Number of model executions performed"),
+    "request_us": ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds"),
+    "queue_us": ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds"),
+    "infer_us": ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCounters:
+    """Triton's per-model counter families (``nv_inference_*``) over ``model`` and ``version``, as both servers
+    write them; ``failure`` adds the labels that say why."""
+
+    success: TritonCounter
+    failure: TritonCounter
+    count: TritonCounter
+    execs: TritonCounter
+    request_us: TritonCounter
+    queue_us: TritonCounter
+    infer_us: TritonCounter
+
+    @classmethod
+    def declare(cls, failure_labels: Sequence[str] = ("reason",), **help_texts: str) -> ModelCounters:
+        """Empty families with Triton's help texts, or the server's own (``help_texts``, by field) where its
+        numbers mean something else than Triton's."""
+        unknown = set(help_texts) - set(_MODEL_COUNTERS)
+        if unknown:
+            raise TypeError(f"no Triton model counter {sorted(unknown)}")
+        return cls(**{
+            field: TritonCounter(name, help_texts.get(field, text),
+                                 [*MODEL_LABELS, *failure_labels] if field == "failure" else list(MODEL_LABELS))
+            for field, (name, text) in _MODEL_COUNTERS.items()
+        })
+
+    def families(self) -> tuple[TritonCounter, ...]:
+        return (self.success, self.failure, self.count, self.execs, self.request_us, self.queue_us, self.infer_us)

@@ -31,9 +31,6 @@ class SymbolicShapes:
         """Axes inference says follow an input dimension."""
         return frozenset(axis for axis, dim in enumerate(self.dims.get(name, ())) if isinstance(dim, str))
 
-    def static_axes(self, name: str) -> dict[int, int]:
-        return {axis: dim for axis, dim in enumerate(self.dims.get(name, ())) if isinstance(dim, int)}
-
 
 def _collect(model: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
     dims: dict[str, tuple[Dim, ...]] = {}

@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from serverkit.listen import add_grpc_port
+
 logger = logging.getLogger(__name__)
 
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
@@ -148,9 +150,7 @@ class WorkerSecurity:
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address``; the bound port, 0 when binding failed."""
-        if self.credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, self.credentials)
+        return add_grpc_port(server, address, self.credentials)
 
     def describe(self) -> str:
         parts = ["token" if self.token_digest is not None else "",

@@ -284,11 +284,15 @@ class ModelManager:
             entry.override_config = config_json if not files else None
             entry.missing = built.missing
             entry.state, entry.reason = ModelState.READY, ""
-            logger.info(
-                "loaded model %s versions %s, %d instance(s) each on %s",
-                name, sorted(versions), len(built.placements), ", ".join(sorted({str(p) for p in built.placements})),
-            )  # fmt: skip
+            logger.info("loaded model %s versions %s, %s", name, sorted(versions), self._instances_text(built))
             await self._retire(old, old_staged)
+
+    def _instances_text(self, built: _Built) -> str:
+        """What runs each version here: how many instances on which devices, by which backend."""
+        if built.config.platform == ENSEMBLE_PLATFORM:
+            return "no instances here: an ensemble's steps run as their own models, called by the gateway"
+        devices = ", ".join(sorted({str(p) for p in built.placements}))
+        return f"{len(built.placements)} instance(s) each on {devices} ({self.backend.name})"
 
     def _build(self, name: str, model_dir: Path, config_json: str | None) -> _Built:
         """Blocking: read and complete the config, then create every instance of every version."""

@@ -22,14 +22,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from serverkit.prometheus import CONTENT_TYPE, TritonCounter, render_text
+from serverkit.nvml import Nvml
+from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
     from workers.manager import ModelManager
@@ -60,25 +61,10 @@ class GpuMonitor:
     """GPU memory and utilisation through NVML; empty when NVML or a GPU is absent."""
 
     def __init__(self) -> None:
-        self._nvml: Any = None
-        self._tried = False
-
-    def _init(self) -> Any:
-        if self._tried:
-            return self._nvml
-        self._tried = True
-        try:
-            import pynvml  # the nvidia-ml-py package
-
-            pynvml.nvmlInit()
-        except Exception as e:  # noqa: BLE001 - no package, no library, no driver: all mean "no GPU"
-            logger.debug("no GPU metrics: %s", e)
-            return None
-        self._nvml = pynvml
-        return pynvml
+        self._nvml = Nvml("GPU metrics")
 
     def sample(self) -> list[GpuSample]:
-        nvml = self._init()
+        nvml = self._nvml.get()
         if nvml is None:
             return []
         try:
@@ -107,12 +93,7 @@ class GpuMonitor:
         return samples
 
     def close(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
-            self._nvml = None
+        self._nvml.close()
 
 
 def _text(value: str | bytes) -> str:
@@ -207,20 +188,10 @@ class WorkerModelCollector(Collector):
         self._manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model", "version"]
-        success = TritonCounter("nv_inference_request_success", "Number of successful inference requests, all batch sizes", labels)
-        failure = TritonCounter(
-            "nv_inference_request_failure", "Number of failed inference requests, all batch sizes", [*labels, "reason"]
-        )
-        count = TritonCounter("nv_inference_count", "Number of inferences performed (does not include cached requests)", labels)
-        execs = TritonCounter("nv_inference_exec_count", "Number of model executions performed", labels)
-        request_us = TritonCounter("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", labels)
-        queue_us = TritonCounter("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", labels)
+        labels = list(MODEL_LABELS)
+        counters = ModelCounters.declare()
         input_us = TritonCounter(
             "nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds", labels
-        )
-        infer_us = TritonCounter(
-            "nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds", labels
         )
         output_us = TritonCounter(
             "nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds", labels
@@ -234,18 +205,18 @@ class WorkerModelCollector(Collector):
         for model in models:
             key = [model.name, model.version_str]
             s = model.stats
-            success.add_metric(key, s.success.count)
+            counters.success.add_metric(key, s.success.count)
             # The worker does not tell failure causes apart yet; Triton's catch-all reason.
-            failure.add_metric([*key, "OTHER"], s.fail.count)
-            count.add_metric(key, s.inference_count)
-            execs.add_metric(key, s.execution_count)
-            request_us.add_metric(key, s.success.ns // 1000)
-            queue_us.add_metric(key, s.queue.ns // 1000)
+            counters.failure.add_metric([*key, "OTHER"], s.fail.count)
+            counters.count.add_metric(key, s.inference_count)
+            counters.execs.add_metric(key, s.execution_count)
+            counters.request_us.add_metric(key, s.success.ns // 1000)
+            counters.queue_us.add_metric(key, s.queue.ns // 1000)
             input_us.add_metric(key, s.compute_input.ns // 1000)
-            infer_us.add_metric(key, s.compute_infer.ns // 1000)
+            counters.infer_us.add_metric(key, s.compute_infer.ns // 1000)
             output_us.add_metric(key, s.compute_output.ns // 1000)
             pending.add_metric(key, model.inflight)
-        yield from (success, failure, count, execs, request_us, queue_us, input_us, infer_us, output_us, pending)
+        yield from (counters.success, counters.failure, counters.count, counters.execs, counters.request_us, counters.queue_us, input_us, counters.infer_us, output_us, pending)
         yield GaugeMetricFamily("infergate_worker_models_loaded", "Model versions loaded now", value=len(models))
 
 

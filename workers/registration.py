@@ -41,6 +41,8 @@ import grpc
 from protos import cluster_pb2, cluster_pb2_grpc
 from workers.manager import ModelManager
 from workers.metrics import GpuMonitor, HostMonitor
+from serverkit.nvml import Nvml
+from serverkit.tasks import log_task_death
 
 logger = logging.getLogger(__name__)
 
@@ -191,21 +193,11 @@ class ProcessGpuMemory:
     """This process's memory on every GPU, through NVML (the nvidia-ml-py package)."""
 
     def __init__(self) -> None:
-        self._nvml: Any = None
-        self._tried = False
+        self._nvml = Nvml("GPU memory measurement")
 
     def bytes(self) -> int | None:
         """None when NVML cannot tell (no package, driver or GPU)."""
-        if not self._tried:
-            self._tried = True
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            except Exception as e:  # noqa: BLE001 - no package, library or driver: all mean "cannot tell"
-                logger.debug("no GPU memory measurement: %s", e)
-        nvml = self._nvml
+        nvml = self._nvml.get()
         if nvml is None:
             return None
         total = 0
@@ -222,12 +214,7 @@ class ProcessGpuMemory:
         return total
 
     def close(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
-            self._nvml = None
+        self._nvml.close()
 
 
 class Registration:
@@ -257,7 +244,7 @@ class Registration:
             self._channels[gateway] = channel
             task = asyncio.create_task(self._loop(gateway, cluster_pb2_grpc.ClusterMembershipStub(channel)),
                                        name=f"register:{gateway}")
-            task.add_done_callback(_log_death)
+            task.add_done_callback(log_task_death)
             self._tasks[gateway] = task
 
     async def stop(self, timeout_s: float = 3.0) -> None:
@@ -331,11 +318,6 @@ class Registration:
         self._registered[gateway] = True
         logger.info("registered with gateway %s as %s", gateway, self._config.address)
         return answer.heartbeat_interval_s or interval
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("registration task died", exc_info=task.exception())
 
 
 # ---- command line ------------------------------------------------------------------

@@ -43,6 +43,7 @@ from tritonclient.grpc import service_pb2_grpc
 from protos.errors import InferGateError
 from serverkit import process, tracing
 from serverkit.grpc_server import BURST_OPTIONS
+from serverkit.listen import cannot_listen
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
 from protos.collective_pb2_grpc import add_CollectiveServicer_to_server
@@ -210,13 +211,9 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
 
     try:
-        try:
-            port = security.add_port(server, f"{args.host}:{args.port}")
-        except RuntimeError as exc:
-            port = 0
-            logger.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+        port = security.add_port(server, f"{args.host}:{args.port}")
         if port == 0:
-            logger.error("cannot listen on %s:%s", args.host, args.port)
+            logger.error("%s", cannot_listen("gRPC", args.host, args.port, "--port"))
             return 2
         logger.info("backend %s: %s; access: %s", args.backend, backend.describe(), security.describe())
         await manager.load_all(_startup_models(args, repository))
@@ -228,7 +225,7 @@ async def serve(args: argparse.Namespace) -> int:
             try:
                 metrics_port = await metrics.start(args.host, args.metrics_port)
             except OSError as exc:
-                logger.error("cannot serve metrics on %s:%s: %s", args.host, args.metrics_port, exc)
+                logger.error("%s", cannot_listen("metrics", args.host, args.metrics_port, "--metrics-port", exc))
                 await server.stop(None)
                 return 2
             logger.info("metrics on http://%s:%d/metrics", args.host, metrics_port)

@@ -52,7 +52,7 @@ from typing import Any
 from gateway.batching.policy import DEFAULT_MAX_QUEUE_SIZE, BatchingMode, BatchPolicy, TimeoutAction
 from gateway.batching.request_queue import Entry, EntryState, RequestQueue, earliest
 from gateway.batching.seams import BatcherStats, Capacity, Clock, Dispatch, LoopClock, NotSent
-from gateway.types import InferRequest, InferResponse
+from gateway.types import InferRequest, InferResponse, request_name
 from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
 
 __all__ = [  # BatchPolicy and its types are re-exported: callers import batching from here
@@ -131,7 +131,7 @@ class Batcher:
             raise Unavailable(f"model '{self.name}' is not accepting requests")
         now = self._clock.now()
         if req.deadline is not None and req.deadline <= now:
-            raise DeadlineExceeded(f"request '{req.id}' deadline passed before it was queued")
+            raise DeadlineExceeded(f"{request_name(req)} deadline passed before it was queued")
         entry = self._queue.admit(req, now)
         self._wake_for(entry)
         try:
@@ -346,7 +346,7 @@ class Batcher:
                 self._queue.finish(entry, None)
                 self.stats.cancelled += 1
             elif entry.req.deadline is not None and entry.req.deadline <= now:
-                self._queue.finish(entry, DeadlineExceeded(f"request '{entry.req.id}' deadline passed while queued"))
+                self._queue.finish(entry, DeadlineExceeded(f"{request_name(entry.req)} deadline passed while queued"))
                 self.stats.expired += 1
             else:
                 live.append(entry)
@@ -381,7 +381,8 @@ class Batcher:
         except InferGateError as exc:
             error = exc
         except Exception as exc:
-            logger.exception("model %s: batch of requests %s failed", self.name, [e.req.id for e in live])
+            logger.exception("model %s: batch of %d request(s) failed (ids: %s)", self.name, len(live),
+                             ", ".join(e.req.id for e in live if e.req.id) or "none")
             error = Internal.caused_by(f"running a batch of model '{self.name}'", exc)
         finally:
             if error is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from gateway.batching.policy import BatchPolicy, QueuePolicy
 from gateway.batching.seams import BatcherStats
-from gateway.types import InferRequest, InferResponse
+from gateway.types import InferRequest, InferResponse, request_name
 from protos.errors import DeadlineExceeded, InferGateError, InvalidArgument, Overloaded, Unavailable
 
 __all__ = ["Entry", "EntryState", "RequestQueue", "earliest"]
@@ -135,9 +135,9 @@ class RequestQueue:
             return 1
         rows = req.inputs[0].shape[0]
         if not 0 <= rows <= self.policy.max_batch_size:
+            of_request = f" of request '{req.id}'" if req.id else ""  # the model is named below
             raise InvalidArgument(
-                f"batch size {rows} of request '{req.id}' is outside 0..{self.policy.max_batch_size} "
-                f"for model '{self.name}'"
+                f"batch size {rows}{of_request} is outside 0..{self.policy.max_batch_size} for model '{self.name}'"
             )
         return rows
 
@@ -237,7 +237,7 @@ class RequestQueue:
                 # Answered now, out of turn even with preserve_ordering (a deadline is a
                 # promise to the caller); the batch's later answer for it is dropped.
                 if not entry.future.done():
-                    entry.future.set_exception(DeadlineExceeded(f"request '{entry.req.id}' deadline exceeded"))
+                    entry.future.set_exception(DeadlineExceeded(f"{request_name(entry.req)} deadline exceeded"))
                 self.finish(entry, None)
                 self.stats.expired_running += 1
                 continue
@@ -245,7 +245,7 @@ class RequestQueue:
                 continue
             if kind == _DEADLINE:
                 self._unqueue(entry)
-                self.finish(entry, DeadlineExceeded(f"request '{entry.req.id}' deadline passed while queued"))
+                self.finish(entry, DeadlineExceeded(f"{request_name(entry.req)} deadline passed while queued"))
                 self.stats.expired += 1
             elif self._level_policies[entry.slot].timeout_action == "DELAY":
                 normal, delayed = self._queues[entry.slot]

@@ -43,10 +43,6 @@ class EnsemblePlan:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
-    def step_models(self) -> list[tuple[str, str]]:
-        """(model, version) of every step, in step order."""
-        return [(s.model, s.version) for s in self.steps]
-
 
 def is_ensemble(config: mc.ModelConfig) -> bool:
     return config.platform == ENSEMBLE_PLATFORM

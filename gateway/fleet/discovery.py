@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.config import WorkerSpec
 from gateway.fleet.membership import Membership, dns_source
+from serverkit.tasks import log_task_death
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class DnsDiscovery:
         """Resolve every name once (workers found join before this returns), then keep resolving."""
         await self.refresh()
         self._task = asyncio.create_task(self._loop(), name="dns-discovery")
-        self._task.add_done_callback(_log_death)
+        self._task.add_done_callback(log_task_death)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -103,8 +104,3 @@ class DnsDiscovery:
         for address in gone:
             log.info("DNS %s no longer lists %s", name.text, address)
             await self._membership.leave(address, source)
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("DNS discovery task died", exc_info=task.exception())

@@ -38,6 +38,7 @@ from gateway.fleet.rendezvous import Bin, Demand, plan
 from gateway.fleet.worker_client import WorkerUnreachable
 from gateway.fleet.worker_reports import ModelMemory, observed
 from protos.errors import InferGateError, ModelNotFound, Unavailable
+from serverkit.tasks import log_task_death
 
 if TYPE_CHECKING:
     from gateway.fleet.registry import Registry
@@ -102,7 +103,7 @@ class PlacementController:
             await self._reconcile_logged()
         self._unsubscribe = self._cluster.on_change(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="placement")
-        self._task.add_done_callback(_log_death)
+        self._task.add_done_callback(log_task_death)
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
@@ -386,8 +387,3 @@ class PlacementController:
             })
         counters = {k: getattr(self, k) for k in ("moves", "evictions", "idle_unloads", "loads", "unloads", "load_failures")}
         return {"counters": counters, "excluded": sorted(self.excluded), "workers": workers, "models": models}
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("placement task died", exc_info=task.exception())

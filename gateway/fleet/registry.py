@@ -37,6 +37,7 @@ from gateway.config import ConfigError, WorkerSpec, _check_address
 from gateway.fleet.membership import REGISTERED, Membership
 from protos import cluster_pb2, cluster_pb2_grpc
 from protos.errors import InferGateError, InvalidArgument, Unauthenticated
+from serverkit.tasks import log_task_death
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class Registry:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._expire_loop(), name="registry-expiry")
-        self._task.add_done_callback(_log_death)
+        self._task.add_done_callback(log_task_death)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -310,8 +311,3 @@ class RegistryService(cluster_pb2_grpc.ClusterMembershipServicer):
 
 def add_registry_service(server: grpc.aio.Server, registry: Registry) -> None:
     cluster_pb2_grpc.add_ClusterMembershipServicer_to_server(RegistryService(registry), server)
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("registry expiry task died", exc_info=task.exception())

@@ -63,10 +63,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request_id: 
 
 def _rpc_cancelled(context: grpc.aio.ServicerContext) -> bool:
     """Whether the RPC's own task is being cancelled, rather than something it awaited."""
-    cancelling = getattr(asyncio.current_task(), "cancelling", None)
-    if cancelling is not None:
-        return bool(cancelling())
-    return context.done()  # Python 3.10 has no cancel count; a finished RPC is the best sign
+    task = asyncio.current_task()
+    return bool(task.cancelling()) if task is not None else context.done()
 
 
 def _unary_edge(

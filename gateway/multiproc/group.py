@@ -37,6 +37,7 @@ from gateway.multiproc.peers import ProcessGroup
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from gateway.observability.trace_settings import trace_config
 from protos.errors import ModelNotFound, Unavailable
+from serverkit.tasks import log_task_death
 
 if TYPE_CHECKING:
     from gateway.fleet.cluster import Cluster
@@ -59,7 +60,7 @@ class FollowerPlacement(PlacementController):
 
     async def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="placement-demand-to-leader")
-        self._flusher.add_done_callback(_log_death)
+        self._flusher.add_done_callback(log_task_death)
 
     async def stop(self) -> None:
         task, self._flusher = self._flusher, None
@@ -102,11 +103,6 @@ class FollowerPlacement(PlacementController):
             if loop.time() > deadline:
                 raise Unavailable(f"model '{name}' is still being loaded")
             await asyncio.sleep(REFRESH_POLL_S)
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("task %s died", task.get_name(), exc_info=task.exception())
 
 
 class GroupGateway(Gateway):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig
+from serverkit.listen import cannot_listen
 
 PEER_HOST = "127.0.0.1"
 
@@ -46,8 +47,10 @@ class ProcessSpec:
         return spec
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A bound, non-listening SO_REUSEPORT socket holding ``host:port`` (0: a free port)."""
+def reserve_port(host: str, port: int, protocol: str = "", flag: str = "") -> socket.socket:
+    """A bound, non-listening SO_REUSEPORT socket holding ``host:port`` (0: a free port).
+
+    A public port names its ``protocol`` and the ``flag`` that changes it, should it be taken."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -59,5 +62,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
+        if flag:
+            raise ConfigError(cannot_listen(protocol, host, port, flag, e)) from None
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     return sock

@@ -87,8 +87,8 @@ class GatewayProcesses:
             # processes that would happen once per process.
             raise ConfigError(f"split (logical) models ({', '.join(sorted(cfg.logical_models()))}) need one "
                               "gateway process: drop --processes / --gateway-processes")
-        http = reserve_port(cfg.host, cfg.http_port)
-        grpc_ = reserve_port(cfg.host, cfg.grpc_port)
+        http = reserve_port(cfg.host, cfg.http_port, "HTTP", "--http-port")
+        grpc_ = reserve_port(cfg.host, cfg.grpc_port, "gRPC", "--grpc-port")
         peers = [reserve_port(PEER_HOST, 0) for _ in range(self.count)]
         self._reserved = [http, grpc_, *peers]
         self.http_port, self.grpc_port = http.getsockname()[1], grpc_.getsockname()[1]

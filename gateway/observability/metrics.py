@@ -24,7 +24,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from serverkit.prometheus import CONTENT_TYPE, TritonCounter, render_text
+from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -81,25 +81,15 @@ class GatewayCollector(Collector):
         yield from self._cache()
 
     def _models(self) -> Iterator[Metric]:
-        labels = ["model", "version"]
-        success = TritonCounter("nv_inference_request_success", "Number of successful inference requests, all batch sizes", labels)
-        failure = TritonCounter(
-            "nv_inference_request_failure",
-            "Number of failed inference requests, all batch sizes, by Triton reason and gateway error class",
-            [*labels, "reason", "error"],
-        )
-        count = TritonCounter("nv_inference_count", "Number of inferences performed (rows of successful requests)", labels)
-        execs = TritonCounter("nv_inference_exec_count", "Number of batches sent to workers", labels)
-        request_us = TritonCounter(
-            "nv_inference_request_duration_us", "Cumulative duration of successful requests in the gateway, in microseconds", labels
-        )
-        queue_us = TritonCounter(
-            "nv_inference_queue_duration_us", "Cumulative time successful requests waited in the gateway's queue, in microseconds", labels
-        )
-        compute_us = TritonCounter(
-            "nv_inference_compute_infer_duration_us",
-            "Cumulative round-trip time of batches to workers, in microseconds (one per batch)",
-            labels,
+        labels = list(MODEL_LABELS)
+        counters = ModelCounters.declare(
+            failure_labels=("reason", "error"),
+            failure="Number of failed inference requests, all batch sizes, by Triton reason and gateway error class",
+            count="Number of inferences performed (rows of successful requests)",
+            execs="Number of batches sent to workers",
+            request_us="Cumulative duration of successful requests in the gateway, in microseconds",
+            queue_us="Cumulative time successful requests waited in the gateway's queue, in microseconds",
+            infer_us="Cumulative round-trip time of batches to workers, in microseconds (one per batch)",
         )
         batch = HistogramMetricFamily("infergate_batch_size", "Rows per batch sent to a worker", labels=labels)
         latency = HistogramMetricFamily(
@@ -107,21 +97,21 @@ class GatewayCollector(Collector):
         )
         for c in sorted(self._gw.stats.snapshot(), key=lambda c: (c.name, c.version)):
             key = [c.name, c.version]
-            success.add_metric(key, c.success.count)
+            counters.success.add_metric(key, c.success.count)
             for error, n in sorted(c.failures_by_reason.items()):
-                failure.add_metric([*key, triton_failure_reason(error), error], n)
-            count.add_metric(key, c.inference_count)
-            execs.add_metric(key, c.execution_count)
-            request_us.add_metric(key, c.success.ns // 1000)
-            queue_us.add_metric(key, c.queue.ns // 1000)
-            compute_us.add_metric(key, c.compute.ns // 1000)
+                counters.failure.add_metric([*key, triton_failure_reason(error), error], n)
+            counters.count.add_metric(key, c.inference_count)
+            counters.execs.add_metric(key, c.execution_count)
+            counters.request_us.add_metric(key, c.success.ns // 1000)
+            counters.queue_us.add_metric(key, c.queue.ns // 1000)
+            counters.infer_us.add_metric(key, c.compute.ns // 1000)
             if c.batches:
                 sizes = {size: d.count for size, d in c.batches.items()}
                 total_rows = sum(size * n for size, n in sizes.items())
                 batch.add_metric(key, _cumulative(BATCH_SIZE_BUCKETS, batch_size_counts(sizes)), total_rows)
         for (model, version), h in self._gw.latency.items():
             latency.add_metric([model, version], _cumulative(self._gw.latency.bounds, h.counts), h.sum)
-        yield from (success, failure, count, execs, request_us, queue_us, compute_us, batch, latency)
+        yield from (*counters.families(), batch, latency)
 
     def _queues(self) -> Iterator[Metric]:
         labels = ["model", "version"]

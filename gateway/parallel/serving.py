@@ -43,7 +43,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import onnx
 from tritonclient.grpc import model_config_pb2, service_pb2
@@ -70,6 +69,7 @@ from gateway.parallel.remote import (
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
+from serverkit.tasks import log_task_death
 from splitter.execute import PlanExecutor
 from splitter.layout_split import LayoutSplit, split_layout
 from splitter.sizes import config_shapes
@@ -135,7 +135,7 @@ class ParallelModels:
         if self._specs:
             self._unsubscribe = self._cluster.on_change(self._on_cluster_change)
             self._task = asyncio.create_task(self._maintain(), name="parallel-maintain")
-            self._task.add_done_callback(_log_death)
+            self._task.add_done_callback(log_task_death)
 
     async def stop(self) -> None:
         """Stop maintaining placements. Shards stay loaded: another gateway may serve them."""
@@ -280,7 +280,7 @@ class ParallelModels:
         task = served.repair
         if task is None or task.done():
             task = served.repair = asyncio.create_task(self._reconcile(served, urgent=urgent), name=f"repair:{served.spec.name}")
-            task.add_done_callback(_log_death)
+            task.add_done_callback(log_task_death)
         return task
 
     async def _repair(self, served: ServedModel, timeout_s: float | None, *, urgent: bool = True) -> None:
@@ -375,8 +375,3 @@ class ParallelModels:
             self._changed.set()  # a worker refused shards: place them elsewhere on the next round
         if served.loaded:
             await self._groups.sync(served)
-
-
-def _log_death(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("task %s failed", task.get_name(), exc_info=task.exception())

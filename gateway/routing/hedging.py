@@ -150,9 +150,3 @@ class AttemptPolicy:
                 hedge_s = max(hedge.hedge_min_delay_s, p)
         self._thresholds[model] = (count, hang_s, hedge_s)
         return hang_s, hedge_s
-
-    def hang_threshold_s(self, model: str) -> float | None:
-        return self.thresholds(model)[0]
-
-    def hedge_delay_s(self, model: str) -> float | None:
-        return self.thresholds(model)[1]

@@ -22,7 +22,9 @@ of ``"abc"`` to a number, an index out of range) as INVALID_ARGUMENT or
 RUNTIME_EXCEPTION; both depend on the request's values alone, so they are
 the request's fault (400 / INVALID_ARGUMENT) and carry ONNX Runtime's
 message. Resource failures (memory, the CUDA device) and any other error are
-the server's, and carry their cause too.
+the server's, and carry their cause too. ONNX Runtime's own console log is
+off (fatal errors only) unless our log is at debug level: its message reaches
+the client and our debug log instead of a coloured line per refused request.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ PLATFORM = "onnxruntime_onnx"
 DEFAULT_MODEL_FILENAME = "model.onnx"
 # Triton's default for auto-completed batchable models (its `default-max-batch-size`).
 DEFAULT_MAX_BATCH_SIZE = 4
+# ONNX Runtime's own console logger writes a coloured line to stderr for every request it refuses;
+# its message reaches the client and our log (run_errors) instead. At --log-level debug it speaks again.
+_ORT_QUIET, _ORT_WARNINGS = 4, 2  # ONNX Runtime's severities: fatal only; warnings and up
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 # Words in an ONNX Runtime error that mark a failure of the server's resources,
@@ -128,6 +133,8 @@ class OnnxBackend:
     default_model_filename = DEFAULT_MODEL_FILENAME
 
     def __init__(self, options: BackendOptions) -> None:
+        self.ort_log_severity = _ORT_WARNINGS if logger.isEnabledFor(logging.DEBUG) else _ORT_QUIET
+        ort.set_default_logger_severity(self.ort_log_severity)
         available = ort.get_available_providers()
         cuda_ready = _CUDA in available and cuda_device_count() > 0
         if options.device == "cuda" and not cuda_ready:
@@ -202,6 +209,7 @@ class OnnxBackend:
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.intra_op_threads
         options.inter_op_num_threads = 1
+        options.log_severity_level = self.ort_log_severity
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # Idle intra-op threads sleep instead of spinning: several sessions share

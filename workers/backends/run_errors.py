@@ -88,6 +88,7 @@ def classify_run_error(exc: Exception, model: str = "") -> InferGateError:
     message = clean_message(str(exc)) or type(exc).__name__
     whose = f"model '{model}': " if model else ""
     if is_request_fault(exc):
+        logger.debug("model %s refused a request: %s: %s", model, type(exc).__name__, exc)
         return InvalidArgument(f"{whose}onnx runtime error: {message}")
     logger.error("model %s execution failed: %s: %s", model, type(exc).__name__, exc)
     return Internal(f"{whose}onnx runtime failed to run the model: {message}")

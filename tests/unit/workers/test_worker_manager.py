@@ -5,6 +5,7 @@ staging and statistics. No sockets, no ONNX Runtime."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -330,3 +331,26 @@ async def test_cancelled_caller_does_not_abort_the_load(setup: tuple[ModelManage
     await manager.close()  # waits for the load the manager owns
     assert len(backend.instances) == 2  # the second load ran to the end...
     assert backend.instances[1].closed and not manager.is_ready("m")  # ...and close released it
+
+
+async def test_the_load_line_says_what_runs_each_version(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    repo = make_repo(tmp_path, count=2)
+    ensemble = repo / "e"
+    (ensemble / "1").mkdir(parents=True)
+    (ensemble / "config.pbtxt").write_text(
+        'name: "e" platform: "ensemble" max_batch_size: 4\n'
+        'input { name: "X" data_type: TYPE_FP32 dims: 2 }\noutput { name: "Y" data_type: TYPE_FP32 dims: 2 }\n'
+        'ensemble_scheduling { step { model_name: "m" model_version: -1 input_map { key: "X" value: "X" }'
+        ' output_map { key: "Y" value: "Y" } } }\n')
+    manager = ModelManager(ModelRepository(repo), FakeBackend(), staging_root=tmp_path / "staging")
+    caplog.set_level(logging.INFO, logger="workers.manager")
+    try:
+        await manager.load("m")
+        await manager.load("e")
+    finally:
+        await manager.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded model")]
+    assert lines == [
+        "loaded model m versions [1], 2 instance(s) each on cpu (fake)",
+        "loaded model e versions [1], no instances here: an ensemble's steps run as their own models, called by the gateway",
+    ]

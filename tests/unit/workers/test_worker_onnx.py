@@ -3,6 +3,7 @@ device choice and sessions (real ONNX Runtime on the CPU, no sockets)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
+from tests.poison_models import pair_model
 from workers.backends.base import BackendOptions, Placement, create_backend
 from workers.backends.onnx import DEFAULT_MAX_BATCH_SIZE, OnnxBackend, default_intra_op_threads
 from workers.devices import cuda_device_count
@@ -132,6 +134,30 @@ async def test_instance_runs_the_model_in_a_thread(tmp_path: Path, backend: Onnx
     instance.close()
     with pytest.raises(InvalidArgument, match="unloaded"):
         await instance.infer({"A": a, "B": b}, ["Y"])
+
+
+async def test_a_refused_request_answers_with_onnx_runtimes_words_and_prints_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Our log at info, as a worker runs by default; the refusal itself is logged at debug.
+    caplog.set_level(logging.INFO, logger="workers.backends.onnx")
+    caplog.set_level(logging.DEBUG, logger="workers.backends.run_errors")
+    quiet = OnnxBackend(BackendOptions(device="cpu", intra_op_threads=1, execution_threads=1))
+    try:
+        version_dir = write_model(tmp_path / "pair", pair_model())
+        config = quiet.complete_config(mc.ModelConfig(name="pair", max_batch_size=0), version_dir)
+        instance = quiet.load(tmp_path / "pair", version_dir, config, Placement("cpu"))
+        capfd.readouterr()
+        with pytest.raises(InvalidArgument) as refused:
+            await instance.infer({"A": np.ones((2, 4), np.float32), "B": np.ones((3, 4), np.float32)}, ["SUM"])
+    finally:
+        quiet.close()
+    cause = "Attempting to broadcast an axis by a dimension other than 1. 2 by 3"
+    assert cause in refused.value.message
+    # ONNX Runtime writes to the process's stderr itself: nothing of it there, coloured or not.
+    printed = capfd.readouterr()
+    assert "onnxruntime" not in printed.err and "\x1b[" not in printed.err, printed.err
+    assert any(cause in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
 
 
 def test_auto_device_and_thread_defaults() -> None:

@@ -101,6 +101,21 @@ async def test_deadline_passing_in_the_queue_drops_the_request(rig) -> None:
     assert r.batches() == [["busy"], ["b"]]
 
 
+async def test_a_request_without_an_id_is_named_by_its_model(rig) -> None:
+    r = await rig()
+    await r.submit_all("busy")
+    await r.submit_all("", deadline=0.5)
+    await r.submit_all("a", deadline=0.5)
+    await r.clock.advance(0.5)
+    assert str(r.error_of("")) == "a request of model 'm' deadline passed while queued"
+    assert str(r.error_of("a")) == "request 'a' deadline passed while queued"
+    with pytest.raises(DeadlineExceeded, match="^a request of model 'm' deadline passed before it was queued$"):
+        await r.batcher.submit(make_req("", deadline=0.5))
+    with pytest.raises(InvalidArgument, match="^batch size 9 is outside 0..8 for model 'm'$"):
+        await r.batcher.submit(make_req("", rows=9))
+    r.backend.complete(0)
+
+
 async def test_deadline_passing_while_the_batch_runs_answers_at_the_deadline(rig) -> None:
     r = await rig()
     r.submit("a", deadline=0.5)
