@@ -26,12 +26,12 @@ from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load
 from gateway.core import Gateway
 from gateway.fleet.drain import add_drain_routes
 from gateway.fleet.registry import add_registry_service
-from gateway.frontends.cuda_ipc import probe_cuda
+from gateway.requests.cuda_ipc import probe_cuda
 from gateway.frontends.grpc_api import add_grpc_services
 from gateway.frontends.grpc_guard import MalformedRequestGuard
 from gateway.frontends.http_api import create_http_app
 from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.shared_memory import SharedMemoryRegistry
+from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.peers import ProcessGroup
 from gateway.multiproc.registrations import add_group_registry_service

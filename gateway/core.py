@@ -27,8 +27,8 @@ from gateway.fleet import repository
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
 from gateway.fleet.readiness import unservable
-from gateway.frontends.classification import LabelFiles, apply_classification
-from gateway.frontends.validation import validate_request
+from gateway.requests.classification import LabelFiles, apply_classification
+from gateway.requests.validation import validate_request
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.shared_memory import SharedMemoryRegistry
+from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.multiproc.peers import ProcessGroup
 from gateway.observability.trace_settings import TraceSettings
 from protos.errors import InvalidArgument
