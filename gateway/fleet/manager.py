@@ -7,6 +7,11 @@ where, with their start and stop order.
 - placement and model lifecycle (``placement``);
 - draining (``gateway.fleet.drain`` drives the placement controller and the cluster).
 
+The composition root builds it and hands in what differs between setups: the
+worker token registrations must carry, and where several gateway processes
+serve together, a follower's placement (``placement``: made from the cluster
+and the registry this fleet builds).
+
 Start (after the cluster's first probe): registry expiry -> DNS (first
 lookup: its workers join before placement) -> placement (first round).
 Stop: the reverse, before the cluster closes its channels.
@@ -23,22 +28,26 @@ from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.membership import Membership
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
-from gateway.security.setup import _worker_token
 
 log = logging.getLogger(__name__)
 
+# (config, cluster, registry) -> the placement controller; the default is ``PlacementController`` itself.
+PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementController]
+
 
 class Fleet:
-    def __init__(self, config: GatewayConfig, cluster: Cluster, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: GatewayConfig, cluster: Cluster, *, token: str = "",
+                 placement: PlacementFactory | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.cluster = cluster
         self.membership = Membership(cluster, config.workers)
         kwargs = {"clock": clock} if clock is not None else {}
         self.registry = Registry(self.membership, heartbeat_interval_s=config.heartbeat_interval_s,
-                                 misses_to_down=config.heartbeat_misses_to_down, token=_worker_token(config), **kwargs)
+                                 misses_to_down=config.heartbeat_misses_to_down, token=token, **kwargs)
         self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.dns_refresh_s)
                           if config.worker_dns else None)
-        self.placement = PlacementController(config, cluster, self.registry, **kwargs)
+        self.placement = (placement(config, cluster, self.registry) if placement is not None
+                          else PlacementController(config, cluster, self.registry, **kwargs))
 
     async def start(self) -> None:
         await self.registry.start()

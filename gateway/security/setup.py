@@ -95,7 +95,9 @@ class GatewaySecurity:
         return server.add_secure_port(address, self.grpc_credentials)
 
 
-def _worker_token(config: GatewayConfig) -> str:
+def worker_token(config: GatewayConfig) -> str:
+    """The token workers accept from this gateway (``worker_token`` or the first line of
+    ``worker_token_file``), "" when none is configured."""
     if config.worker_token:
         return config.worker_token
     if not config.worker_token_file:
@@ -112,7 +114,7 @@ def _worker_token(config: GatewayConfig) -> str:
 def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], WorkerClient]:
     """Makes each worker's client with the token (infergate workers only: a
     Triton server has no use for it) and the TLS credentials, when configured."""
-    token = _worker_token(config)
+    token = worker_token(config)
     credentials = None
     if config.worker_tls_ca or config.worker_tls_cert:
         credentials = grpc_channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
@@ -132,7 +134,7 @@ def local_worker_token(workdir: Path, config: GatewayConfig) -> Path:
     configured one, else a file in ``workdir`` (readable by this user only)
     holding the token from the environment or a fresh random one."""
     if config.worker_token_file:
-        _worker_token(config)  # checks the file now, before any worker starts
+        worker_token(config)  # checks the file now, before any worker starts
         return Path(config.worker_token_file)
     path = workdir / "worker.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
