@@ -25,11 +25,11 @@ from aiohttp import web
 from prometheus_client.process_collector import ProcessCollector
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.drain import drain_worker, undrain_worker
-from gateway.frontends.http_api import error_response
 from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster
+from gateway.fleet.drain import drain_worker, undrain_worker
 from gateway.fleet.manager import Fleet
+from gateway.frontends.http_api import error_response
 from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
 from gateway.multiproc.peers import PEER_PREFIX, ProcessGroup, error_body
 from gateway.multiproc.registrations import registry_routes

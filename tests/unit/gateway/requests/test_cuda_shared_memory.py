@@ -21,13 +21,13 @@ from collections.abc import Iterator
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, probe_cuda
-from tests.unit.gateway.requests.host_ipc import HostIpc
 from gateway.frontends.http_extensions import parse_cuda_register
+from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, probe_cuda
 from gateway.requests.shared_memory import (
     CUDA_EXTENSION, SharedMemoryRegistry, advertise, take_slice, write_output,
 )
 from protos.errors import AlreadyExists, Internal, InvalidArgument, NotFound
+from tests.unit.gateway.requests.host_ipc import HostIpc
 
 @pytest.fixture
 def ipc() -> HostIpc:
