@@ -1,4 +1,4 @@
-"""The gateway process: builds the parts and owns their start/stop order.
+"""The gateway process: serves what the composition root builds and owns the start/stop order.
 
 Start: cluster (first probe) -> core -> gRPC server -> HTTP site -> ready file.
 Stop (SIGTERM/SIGINT): health NOT_SERVING -> stop accepting new connections
@@ -22,18 +22,15 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from gateway.composition import compose
 from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load_config, parse_bool
 from gateway.core import Gateway
 from gateway.fleet.drain import LocalDrains
 from gateway.fleet.registry import add_registry_service
 from gateway.frontends.admin_routes import add_drain_routes
-from gateway.frontends.cuda_ipc import probe_cuda
 from gateway.frontends.grpc_api import add_grpc_services
 from gateway.frontends.grpc_guard import MalformedRequestGuard
 from gateway.frontends.http_api import create_http_app
-from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.shared_memory import SharedMemoryRegistry
-from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.peers import ProcessGroup
 from gateway.multiproc.registrations import add_group_registry_service
 from gateway.multiproc.routes import GroupViews, add_group_routes, internal_app
@@ -43,6 +40,8 @@ from gateway.observability.cluster_api import add_cluster_routes
 from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
 from gateway.observability.trace_settings import trace_config
+from gateway.requests.cuda_ipc import probe_cuda
+from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
@@ -174,18 +173,19 @@ class RunningGateway:
 
 
 async def start_gateway(
-    config: GatewayConfig, gateway: Gateway | None = None, *, worker_metrics_urls: Mapping[str, str] | None = None,
+    config: GatewayConfig, *, worker_metrics_urls: Mapping[str, str] | None = None,
     group: ProcessGroup | None = None,
 ) -> RunningGateway:
     """Start every part; ``worker_metrics_urls`` (address -> /metrics URL) lets the cluster API show devices.
 
-    With ``group`` this is one process among several (``gateway.multiproc``): ``gateway`` is its
-    ``GroupGateway``, the public ports are shared (SO_REUSEPORT), the observability and drain
-    routes answer for the whole gateway, and the internal peer endpoint is served too.
+    With ``group`` this is one process among several (``gateway.multiproc``): its parts are the
+    group's (``gateway.composition.group_seams``), the public ports are shared (SO_REUSEPORT), the
+    observability and drain routes answer for the whole gateway, and the internal peer endpoint is served too.
     """
     # Keys and certificates are read before anything starts: a bad file stops here.
     security = GatewaySecurity.from_config(config)
-    gateway = gateway or Gateway(config)
+    composed = compose(config, group)
+    gateway = composed.gateway
     # trace_mode opentelemetry: this process's spans go to the configured OTLP endpoint.
     tracing.install("infergate-gateway", trace_config(config))
     await gateway.start()
@@ -207,8 +207,7 @@ async def start_gateway(
     else:
         log.info("CUDA shared memory: on (cuda-python, CUDA IPC)")
     # Among several processes, ones that every process holds alike (gateway.multiproc.replicated).
-    shm, logs = ((gateway.regions, gateway.logs) if isinstance(gateway, GroupGateway)
-                 else (SharedMemoryRegistry(), LogSettings()))
+    shm, logs = composed.shm, composed.logs
     shm.use_cuda(cuda, no_cuda)
     frontend = add_grpc_services(grpc_server, gateway, shm=shm, logs=logs, tracing=gateway.tracing)
     # Workers started with --gateway register here (protos/cluster.proto).
@@ -232,8 +231,8 @@ async def start_gateway(
         devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
         add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.drain_timeout_s)
     else:
-        assert isinstance(gateway, GroupGateway)
-        views = GroupViews(gateway, worker_metrics_urls)
+        assert composed.replicator is not None
+        views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls)
         devices = views.devices
         add_group_routes(app, views)
         peer_runner = web.AppRunner(internal_app(views), access_log=None, handle_signals=False)
@@ -268,8 +267,7 @@ async def serve_in_group(spec: ProcessSpec) -> None:
     """One process among several: serve until the parent's SIGTERM, then drain."""
     group = ProcessGroup(spec)
     try:
-        running = await start_gateway(spec.config, GroupGateway(spec.config, group),
-                                      worker_metrics_urls=spec.worker_metrics_urls, group=group)
+        running = await start_gateway(spec.config, worker_metrics_urls=spec.worker_metrics_urls, group=group)
         write_ready_file(spec.ready_file, {"pid": os.getpid(), "index": spec.index})
         await wait_for_signal()
         log.info("gateway process %d shutting down (grace %.1fs)", spec.index, spec.config.shutdown_grace_s)

@@ -32,7 +32,7 @@ class RequestedOutput:
     binary_data: bool | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     # Frontend-only, never sent to a worker: the client's shared-memory window
-    # the output is written into (``gateway.frontends.shared_memory.RegionSlice``),
+    # the output is written into (``gateway.requests.shared_memory.RegionSlice``),
     # and the top-K of Triton's classification extension (0 = the tensor itself).
     region: Any = None
     classification: int = 0

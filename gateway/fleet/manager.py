@@ -7,6 +7,11 @@ where, with their start and stop order.
 - placement and model lifecycle (``placement``);
 - draining (``gateway.fleet.drain`` drives the placement controller and the cluster).
 
+The composition root builds it and hands in what differs between setups: the
+worker token registrations must carry, and where several gateway processes
+serve together, a follower's placement (``placement``: made from the cluster
+and the registry this fleet builds).
+
 Start (after the cluster's first probe): registry expiry -> DNS (first
 lookup: its workers join before placement) -> placement (first round).
 Stop: the reverse, before the cluster closes its channels.
@@ -26,22 +31,23 @@ from gateway.fleet.registry import Registry
 
 log = logging.getLogger(__name__)
 
+# (config, cluster, registry) -> the placement controller; the default is ``PlacementController`` itself.
+PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementController]
+
 
 class Fleet:
-    """``worker_token`` is the token registering workers must present ("" for none),
-    read by whoever builds the fleet (``gateway.security.setup.worker_token``)."""
-
-    def __init__(self, config: GatewayConfig, cluster: Cluster, *, worker_token: str = "",
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: GatewayConfig, cluster: Cluster, *, token: str = "",
+                 placement: PlacementFactory | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.cluster = cluster
         self.membership = Membership(cluster, config.workers)
         kwargs = {"clock": clock} if clock is not None else {}
         self.registry = Registry(self.membership, heartbeat_interval_s=config.heartbeat_interval_s,
-                                 misses_to_down=config.heartbeat_misses_to_down, token=worker_token, **kwargs)
+                                 misses_to_down=config.heartbeat_misses_to_down, token=token, **kwargs)
         self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.dns_refresh_s)
                           if config.worker_dns else None)
-        self.placement = PlacementController(config, cluster, self.registry, **kwargs)
+        self.placement = (placement(config, cluster, self.registry) if placement is not None
+                          else PlacementController(config, cluster, self.registry, **kwargs))
 
     async def start(self) -> None:
         await self.registry.start()

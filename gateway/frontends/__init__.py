@@ -6,13 +6,13 @@ binary request form ``raw_binary`` and the management endpoints' JSON
 admin endpoints, drain and placement, in ``admin_routes``) and gRPC
 (``grpc_api`` with its wire conversion ``grpc_wire`` and the undecodable-
 message guard ``grpc_guard``) decode a wire request into one
-``gateway.types.InferRequest`` and encode the answer back; ``validation``
-checks a decoded request against the model's metadata. ``shared_memory``
-holds Triton's shared-memory regions (system, and CUDA through
-``cuda_ipc``, which alone imports cuda-python, lazily).
+``gateway.types.InferRequest`` and encode the answer back. They only decode,
+call the core and encode: checking a request, classification and the reads
+and writes of Triton's shared-memory regions are request logic, in
+``gateway.requests``.
 
-May import: ``gateway.types``, ``gateway.limits``, ``protos``,
-cuda-python (``cuda_ipc`` only, where installed), and
+May import: ``gateway.types``, ``gateway.limits``, ``gateway.requests``,
+``protos``, and
 ``gateway.observability``'s tracing (the trace settings they serve, the
 trace they open around each inference). Frontends talk
 to the core only through the ``InferenceCore`` protocol in ``gateway.types``,

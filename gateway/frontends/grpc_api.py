@@ -29,7 +29,7 @@ from gateway.frontends.grpc_wire import (
 )
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
-from gateway.frontends.shared_memory import SharedMemoryRegistry, advertise
+from gateway.requests.shared_memory import SharedMemoryRegistry, advertise
 from gateway.types import InferenceCore, InferRequest
 from protos import wire
 from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
@@ -278,7 +278,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    # -- shared memory (gateway.frontends.shared_memory; the registry is the HTTP frontend's too)
+    # -- shared memory (gateway.requests.shared_memory; the registry is the HTTP frontend's too)
 
     @_unary_edge
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:

@@ -11,9 +11,9 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2
 
-from gateway.frontends.classification import PARAMETER as CLASSIFICATION
-from gateway.frontends.classification import class_count
-from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
+from gateway.requests.classification import PARAMETER as CLASSIFICATION
+from gateway.requests.classification import class_count
+from gateway.requests.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec, wire
 from protos.errors import InvalidArgument, Unsupported

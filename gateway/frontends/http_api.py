@@ -54,9 +54,9 @@ from gateway.frontends.http_json import (
 )
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
-from gateway.frontends.shared_memory import SharedMemoryRegistry, advertise
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.observability.tracing import RequestTracing
+from gateway.requests.shared_memory import SharedMemoryRegistry, advertise
 from gateway.types import InferenceCore
 from protos.errors import InferGateError, Internal, InvalidArgument, PayloadTooLarge, Unavailable, Unsupported
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import orjson
 
-from gateway.frontends.classification import PARAMETER as CLASSIFICATION
-from gateway.frontends.classification import class_count
-from gateway.frontends.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
+from gateway.requests.classification import PARAMETER as CLASSIFICATION
+from gateway.requests.classification import class_count
+from gateway.requests.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec, json_codec
 from protos.errors import Internal, InvalidArgument, PayloadTooLarge, Unsupported

@@ -30,9 +30,9 @@ from aiohttp import web
 
 from gateway.frontends.http_codec import parse_json_object
 from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.cuda_ipc import IPC_HANDLE_BYTES
-from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.observability.trace_settings import TraceSettings, normalize_json
+from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES
+from gateway.requests.shared_memory import SharedMemoryRegistry
 from protos.errors import InvalidArgument
 
 _SYSTEM = "/v2/systemsharedmemory"

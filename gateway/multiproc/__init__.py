@@ -7,16 +7,19 @@ ports with SO_REUSEPORT, so the kernel spreads connections across them, and
 batches and routes on its own. ``peers`` is a child's (and the supervisor's)
 client of the others' internal endpoint; ``merge`` sums their answers
 exactly (Triton statistics, Prometheus families, cluster documents);
-``group`` is the gateway of one child: child 0 (the leader) takes placement,
-load/unload and drain decisions, the others forward those to it;
+``group`` holds the parts a child's core is handed in place of one
+process's (through ``gateway.composition``): child 0 (the leader) takes
+placement, load/unload and drain decisions, the others forward those to it;
 ``replicated`` keeps Triton's extension state (shared-memory regions, log
 and trace settings) alike in every process; ``registrations`` passes
 workers' registrations, heartbeats and deregistrations on to every process;
 ``routes`` serves the whole-gateway observability and drain endpoints and
 the internal ones.
 
-May import: ``gateway.core``, ``gateway.config``, ``gateway.fleet``,
-``gateway.observability``, ``gateway.frontends`` (the admin routes, the
-extension state it extends), ``serverkit``, ``protos``. ``gateway.app``
-imports this package, never the other way round.
+May import: ``gateway.config``, ``gateway.fleet``, ``gateway.routing``,
+``gateway.observability``, ``gateway.requests`` and ``gateway.frontends``
+(error responses, the extension state it extends), ``serverkit``,
+``protos``; never ``gateway.core``: it supplies parts, the composition root
+(``gateway.composition``) wires them, and the routes read the core through a
+``Protocol``. ``gateway.app`` imports this package, never the other way round.
 """

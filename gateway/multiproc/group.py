@@ -1,4 +1,4 @@
-"""The gateway of one process among several: what it asks the others.
+"""The parts of one gateway process among several: what it asks the others.
 
 Each process batches and routes its own requests with its own cluster view
 (every process probes the workers, which only reads them). Decisions that
@@ -17,6 +17,12 @@ change the workers are taken once, by the leader (process 0):
 
 Statistics are summed over all processes at every call (``merge``), never
 sampled from one.
+
+Each is a part the composition root hands the core in place of the
+single-process one, through the same seams: ``FollowerPlacement`` (the
+fleet's placement), ``GroupStatistics`` (``StatisticsScope``),
+``GroupModelControl`` (``ModelControl``); the replicated extension state and
+trace settings come from ``replicated``. Nothing here imports the core.
 """
 
 from __future__ import annotations
@@ -24,18 +30,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from tritonclient.grpc import service_pb2
 
 from gateway.config import GatewayConfig
-from gateway.core import Gateway
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
-from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
-from gateway.observability.trace_settings import trace_config
 from protos.errors import ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 
@@ -105,66 +108,42 @@ class FollowerPlacement(PlacementController):
             await asyncio.sleep(REFRESH_POLL_S)
 
 
-class GroupGateway(Gateway):
-    """A ``Gateway`` whose statistics cover every process, whose fleet decisions are the leader's, and whose
-    extension state (``regions``, ``logs``, the trace settings) every process holds alike."""
+class GroupStatistics:
+    """``StatisticsScope`` of a process among several: its own statistics summed with every other process's."""
 
-    def __init__(self, config: GatewayConfig, group: ProcessGroup) -> None:
-        super().__init__(config)
-        self.group = group
-        self.replicator = Replicator(group)
-        self.regions = GroupRegions(self.replicator)
-        self.logs = GroupLogSettings(self.replicator)
-        self.tracing.settings = GroupTraceSettings(trace_config(config), self.model_ready, self.replicator)
-        self.tracing.file_of_process(group.index)  # no two processes write one trace file
-        if not group.is_leader:
-            follower = FollowerPlacement(config, self.cluster, self.fleet.registry, group)
-            self.fleet.placement = self.placement = follower
+    def __init__(self, group: ProcessGroup) -> None:
+        self._group = group
 
-    # ---- statistics: summed over the processes ---------------------------------
-
-    async def local_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
-        return await super().model_statistics(name, version)
-
-    async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
-        local = await self.local_statistics(name, version)
-        others = await self.group.gather("GET", "stats", params={"name": name, "version": version})
+    async def whole(self, local: service_pb2.ModelStatisticsResponse, name: str,
+                    version: str) -> service_pb2.ModelStatisticsResponse:
+        others = await self._group.gather("GET", "stats", params={"name": name, "version": version})
         return merge_statistics([local, *(service_pb2.ModelStatisticsResponse.FromString(b) for b in others)])
 
-    # ---- repository control: the leader's -----------------------------------------
 
-    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
-        self._check_model_control()
-        if not self.group.is_leader:
-            request = service_pb2.RepositoryModelLoadRequest(model_name=name, parameters=parameters)
-            await self.group.call(0, "POST", "load", body=request.SerializeToString(), timeout_s=_LOAD_TIMEOUT_S)
-            return
-        await super().load_model(name, parameters)
-        await self._everyone_rereads(name)
+class GroupModelControl:
+    """``ModelControl`` of a process among several: a follower forwards a client's load or unload
+    to the leader; the leader acts, then has every other process re-read the workers before it answers."""
 
-    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        self._check_model_control()
-        if not self.group.is_leader:
-            await self.group.call(0, "POST", "unload",
-                                  params={"name": name, "unload_dependents": str(unload_dependents).lower()},
-                                  timeout_s=_LOAD_TIMEOUT_S)
-            return
-        await super().unload_model(name, unload_dependents)
-        await self._everyone_rereads(name)
+    def __init__(self, group: ProcessGroup) -> None:
+        self._group = group
 
-    async def _everyone_rereads(self, name: str) -> None:
-        await self.group.gather("POST", "reread", params={"name": name})
+    async def forward_load(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> bool:
+        if self._group.is_leader:
+            return False
+        request = service_pb2.RepositoryModelLoadRequest(model_name=name, parameters=parameters)
+        await self._group.call(0, "POST", "load", body=request.SerializeToString(), timeout_s=_LOAD_TIMEOUT_S)
+        return True
 
-    async def reread(self, name: str) -> None:
-        """Another process loaded or unloaded ``name``: read the workers again, forget cached answers."""
-        self.cache.clear(name)
-        await self.cluster.refresh()
-        if self.cluster.model(name) is None:
-            for key in [k for k in self._batchers if k[0] == name]:
-                await self._batchers.pop(key).close(self.config.shutdown_grace_s)
+    async def forward_unload(self, name: str, unload_dependents: bool) -> bool:
+        if self._group.is_leader:
+            return False
+        await self._group.call(0, "POST", "unload",
+                               params={"name": name, "unload_dependents": str(unload_dependents).lower()},
+                               timeout_s=_LOAD_TIMEOUT_S)
+        return True
 
-    def placement_view(self) -> dict[str, Any]:
-        return self.fleet.placement.view()
+    async def changed(self, name: str) -> None:
+        await self._group.gather("POST", "reread", params={"name": name})
 
 
 _LOAD_TIMEOUT_S = 330.0  # the placement's own load timeout, and a margin

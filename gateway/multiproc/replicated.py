@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.frontends.log_settings import LogSettings
-from gateway.frontends.shared_memory import SharedMemoryRegistry
 from gateway.multiproc.peers import ProcessGroup
 from gateway.observability.trace_settings import TraceSettings
+from gateway.requests.shared_memory import SharedMemoryRegistry
 from protos.errors import InvalidArgument
 from serverkit.tracing import TraceConfig
 

@@ -18,21 +18,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 from prometheus_client.process_collector import ProcessCollector
 from tritonclient.grpc import service_pb2
 
+from gateway.config import GatewayConfig
+from gateway.fleet.cluster import Cluster
 from gateway.fleet.drain import drain_worker, undrain_worker
+from gateway.fleet.manager import Fleet
 from gateway.frontends.admin_routes import add_drain_routes
-from gateway.multiproc.group import GroupGateway
 from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
-from gateway.multiproc.peers import PEER_PREFIX, error_body
+from gateway.multiproc.peers import PEER_PREFIX, ProcessGroup, error_body
 from gateway.multiproc.registrations import registry_routes
+from gateway.multiproc.replicated import Replicator
 from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, cluster_view
 from gateway.observability.metrics import GatewayCollector
+from gateway.observability.observed import ObservedGateway
+from gateway.routing.sequences import SequenceRoutes
 from protos.errors import InferGateError, InvalidArgument, NotFound
 from serverkit.prometheus import CONTENT_TYPE, render_text
 
@@ -53,12 +58,35 @@ def _float(request: web.Request, name: str, default: float) -> float:
         raise InvalidArgument(f"{name} must be a number of seconds") from None
 
 
+class GroupMember(ObservedGateway, Protocol):
+    """The gateway of this process as these routes read it (besides what the observers read)."""
+
+    config: GatewayConfig
+    fleet: Fleet
+    sequences: SequenceRoutes
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    async def local_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse: ...
+
+    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None: ...
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
+
+    async def reread(self, name: str) -> None: ...
+
+    def placement_view(self) -> dict[str, Any]: ...
+
+
 class GroupViews:
     """This process's own documents, and the whole gateway's built from every process's."""
 
-    def __init__(self, gateway: GroupGateway, worker_metrics_urls: Mapping[str, str] | None) -> None:
+    def __init__(self, gateway: GroupMember, group: ProcessGroup, replicator: Replicator,
+                 worker_metrics_urls: Mapping[str, str] | None) -> None:
         self.gateway = gateway
-        self.group = gateway.group
+        self.group = group
+        self.replicator = replicator
         self.devices = DeviceMonitor(worker_metrics_urls)
         self._collectors = [GatewayCollector(gateway), ProcessCollector(registry=None)]
 
@@ -242,11 +270,11 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json(gateway.placement_view())
 
     async def change(r: web.Request) -> web.Response:
-        await gateway.replicator.change(q(r, "kind"), orjson.loads(await r.read()))
+        await views.replicator.change(q(r, "kind"), orjson.loads(await r.read()))
         return _json({})
 
     async def change_local(r: web.Request) -> web.Response:
-        gateway.replicator.apply_local(q(r, "kind"), orjson.loads(await r.read()))
+        views.replicator.apply_local(q(r, "kind"), orjson.loads(await r.read()))
         return _json({})
 
     app = web.Application(client_max_size=2**31 - 1)

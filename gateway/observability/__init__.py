@@ -8,8 +8,10 @@ from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
 ``tracing`` the traces the frontends and the core take with them.
 
 May import: ``serverkit`` (the Prometheus text format, tracing),
-``gateway.config``, ``gateway.ensembles`` (the record of
-an ensemble's steps), ``gateway.types``, ``protos``; the live gateway is read through the object
-``app`` hands in. Nothing here is on the request path except the counters
+``gateway.config``, ``gateway.types``, ``gateway.requests``,
+``gateway.ensembles`` (the record of an ensemble's steps), ``protos``; never
+``gateway.core``: the live gateway is read through the object the process
+wiring hands in, typed as the ``Protocol`` in ``observed`` (only what the
+observers read). Nothing here is on the request path except the counters
 the core updates and the trace contexts (one check while tracing is off).
 """

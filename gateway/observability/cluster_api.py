@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import __version__
 
 if TYPE_CHECKING:
-    from gateway.core import Gateway
+    from gateway.observability.observed import ObservedGateway
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class DeviceMonitor:
             await session.close()
 
 
-def ejections(gateway: Gateway) -> dict[str, dict[str, Any]]:
+def ejections(gateway: ObservedGateway) -> dict[str, dict[str, Any]]:
     """The workers whose circuit is not closed: since and until when (Unix times), why."""
     now = time.time()
     return {
@@ -174,7 +174,7 @@ def worker_state(state: str, ejection: dict[str, Any] | None) -> str:
     return "ejected" if ejection is not None and state == "READY" else state.lower()
 
 
-def cluster_view(gateway: Gateway, devices: DeviceMonitor) -> dict[str, Any]:
+def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor) -> dict[str, Any]:
     """The ``/v2/cluster`` document."""
     load = {w.address: w for w in gateway.router.worker_stats()}
     ejected = ejections(gateway)
@@ -232,7 +232,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def cluster_stats(gateway: Gateway) -> dict[str, Any]:
+def cluster_stats(gateway: ObservedGateway) -> dict[str, Any]:
     """The ``/v2/cluster/stats`` document: cumulative counters, for rates between polls."""
     batchers = gateway.batchers()
     counters = {(c.name, c.version): c for c in gateway.stats.snapshot()}
@@ -269,7 +269,7 @@ def _json(payload: dict[str, Any]) -> web.Response:
 
 
 def add_cluster_routes(
-    app: web.Application, gateway: Gateway, *, worker_metrics_urls: Mapping[str, str] | None = None
+    app: web.Application, gateway: ObservedGateway, *, worker_metrics_urls: Mapping[str, str] | None = None
 ) -> DeviceMonitor:
     """Mount ``/v2/cluster`` and ``/v2/cluster/stats`` (before the app is set up).
 

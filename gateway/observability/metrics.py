@@ -27,7 +27,7 @@ from prometheus_client.utils import floatToGoString
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
-    from gateway.core import Gateway
+    from gateway.observability.observed import ObservedGateway
 
 # Rows per batch sent to a worker.
 BATCH_SIZE_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -69,7 +69,7 @@ def batch_size_counts(batches: dict[int, int]) -> list[int]:
 class GatewayCollector(Collector):
     """Every gateway family, read from the live gateway at each scrape."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: ObservedGateway) -> None:
         self._gw = gateway
 
     def collect(self) -> Iterator[Metric]:
@@ -236,7 +236,7 @@ class GatewayCollector(Collector):
                                   value=cache.evictions)
 
 
-def add_metrics_routes(app: web.Application, gateway: Gateway) -> None:
+def add_metrics_routes(app: web.Application, gateway: ObservedGateway) -> None:
     """Mount ``GET /metrics`` on the gateway's HTTP app (before the app is set up)."""
     collectors: list[Collector] = [GatewayCollector(gateway), ProcessCollector(registry=None)]
 

@@ -190,14 +190,12 @@ class BatchTrace:
 class RequestTracing:
     """What the frontends and the core call; ``settings`` is what the trace extension reads and updates."""
 
-    def __init__(self, settings: TraceSettings) -> None:
+    def __init__(self, settings: TraceSettings, *, process_index: int | None = None) -> None:
         self.settings = settings
         self._file = TraceFile(settings.file) if settings.mode == "triton" and settings.file else None
-
-    def file_of_process(self, index: int) -> None:
-        """Among several gateway processes: this one's Triton trace files get ``.process<index>`` after the name."""
-        if self._file is not None:
-            self._file.path = f"{self._file.path}.process{index}"
+        if self._file is not None and process_index is not None:
+            # Among several gateway processes: this one's Triton trace files get ``.process<index>`` after the name.
+            self._file.path = f"{self._file.path}.process{process_index}"
 
     @classmethod
     def off(cls) -> RequestTracing:

@@ -28,7 +28,7 @@ import tritonclient.http as httpclient
 from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
-from gateway.frontends.cuda_ipc import probe_cuda
+from gateway.requests.cuda_ipc import probe_cuda
 from tests.harness import Proc, start
 from tests.integration.gateway.e2e_cluster import grpc_url, http_url
 

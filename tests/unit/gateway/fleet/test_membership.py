@@ -117,7 +117,7 @@ async def test_token_and_bad_requests() -> None:
 async def test_the_fleet_checks_registrations_against_the_token_it_is_given() -> None:
     cluster, _ = await make_cluster()
     try:
-        fleet = Fleet(GatewayConfig(), cluster, worker_token="s3cret")
+        fleet = Fleet(GatewayConfig(), cluster, token="s3cret")
         with pytest.raises(Unauthenticated):
             fleet.registry.check_token([("authorization", "Bearer wrong")])
         fleet.registry.check_token([("authorization", "Bearer s3cret")])

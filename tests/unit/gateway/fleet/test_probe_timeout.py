@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.composition import build_gateway
 from gateway.config import ConfigError, load_config
-from gateway.core import Gateway
 
 
 def test_probe_timeout_is_read_from_the_config(tmp_path: Path) -> None:
@@ -17,7 +17,7 @@ def test_probe_timeout_is_read_from_the_config(tmp_path: Path) -> None:
     path.write_text("probe_timeout_s: 0.75\n")
     config = load_config(path)
     assert config.probe_timeout_s == 0.75
-    assert Gateway(config).cluster._probe_timeout_s == 0.75  # what each probe is bounded by
+    assert build_gateway(config).cluster._probe_timeout_s == 0.75  # what each probe is bounded by
 
 
 def test_probe_timeout_defaults_to_five_seconds() -> None:

@@ -18,7 +18,7 @@ from gateway.multiproc.peers import error_body, error_from_peer
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from protos.errors import AlreadyExists, InferGateError, InvalidArgument, Unavailable
 from serverkit.tracing import TraceConfig
-from tests.unit.gateway.frontends.host_ipc import HostIpc
+from tests.unit.gateway.requests.host_ipc import HostIpc
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory at /dev/shm")
 

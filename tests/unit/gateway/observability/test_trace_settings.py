@@ -135,8 +135,8 @@ def test_trace_file_rotates_every_log_frequency_traces(tmp_path: Path) -> None:
 def test_each_gateway_process_writes_its_own_trace_file(tmp_path: Path) -> None:
     trace_file = tmp_path / "trace.json"
     for index in (0, 1):
-        tracing = RequestTracing(_settings("level=TIMESTAMPS", "rate=1", f"triton,file={trace_file}"))
-        tracing.file_of_process(index)
+        tracing = RequestTracing(_settings("level=TIMESTAMPS", "rate=1", f"triton,file={trace_file}"),
+                                 process_index=index)
         request = _request()
         with tracing.request(request, {}, "HTTP"), tracing.batch([request], "simple"):
             pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.frontends.classification import LabelFiles, classify, top_k
+from gateway.requests.classification import LabelFiles, classify, top_k
 from gateway.types import Tensor
 from protos import codec
 from protos.errors import InvalidArgument

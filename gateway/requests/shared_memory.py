@@ -13,7 +13,7 @@ as Triton's one shared-memory manager does.
 
 CUDA shared memory: the client registers a CUDA IPC handle of its device
 memory (device id, byte size) instead; the registry opens it through
-``gateway.frontends.cuda_ipc`` and the same parameters, bounds checks and
+``gateway.requests.cuda_ipc`` and the same parameters, bounds checks and
 errors apply: the region's kind is only how its bytes are read (device ->
 host) and written (host -> device). Names are unique across both kinds, as
 in Triton. A registry built without a ``CudaIpc`` (no GPU, no cuda-python)
@@ -37,7 +37,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.frontends.cuda_ipc import IPC_HANDLE_BYTES, CudaIpc, CudaIpcError
+from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES, CudaIpc, CudaIpcError
 from protos.errors import AlreadyExists, Internal, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def _open_window(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
 class SharedMemoryRegistry:
     """The shared-memory regions, system and CUDA, registered with this gateway, by name.
 
-    ``cuda`` is this process's CUDA IPC (``gateway.frontends.cuda_ipc.probe_cuda``)
+    ``cuda`` is this process's CUDA IPC (``gateway.requests.cuda_ipc.probe_cuda``)
     or None where it has none, ``cuda_unavailable`` then saying why. Called
     from the event loop; the lock only guards against the frontends' threads
     (none today) and costs nothing uncontended.

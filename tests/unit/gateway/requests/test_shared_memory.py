@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.frontends.shared_memory import SharedMemoryRegistry, take_slice, write_output
+from gateway.requests.shared_memory import SharedMemoryRegistry, take_slice, write_output
 from protos.errors import AlreadyExists, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory at /dev/shm")

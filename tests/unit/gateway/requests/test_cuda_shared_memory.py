@@ -4,7 +4,7 @@ offsets and errors in Triton's words, without a device.
 Device access is the registry's ``CudaIpc`` seam; here a host-memory stand-in
 (:class:`HostIpc`) plays the device so the bookkeeping can be checked. It is
 a test fixture only: the gateway's one implementation is cuda-python's
-(``gateway.frontends.cuda_ipc.CudaPythonIpc``), exercised by tests/gpu on a
+(``gateway.requests.cuda_ipc.CudaPythonIpc``), exercised by tests/gpu on a
 GPU host. Without a GPU the registry must refuse, list nothing, and not
 advertise the extension: checked here and, over the wire, in
 tests/integration/gateway/test_triton_shared_memory.py.
@@ -21,13 +21,13 @@ from collections.abc import Iterator
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.frontends.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, probe_cuda
-from tests.unit.gateway.frontends.host_ipc import HostIpc
 from gateway.frontends.http_extensions import parse_cuda_register
-from gateway.frontends.shared_memory import (
+from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError, probe_cuda
+from gateway.requests.shared_memory import (
     CUDA_EXTENSION, SharedMemoryRegistry, advertise, take_slice, write_output,
 )
 from protos.errors import AlreadyExists, Internal, InvalidArgument, NotFound
+from tests.unit.gateway.requests.host_ipc import HostIpc
 
 @pytest.fixture
 def ipc() -> HostIpc:
@@ -194,7 +194,7 @@ def test_cuda_python_errors_come_back_in_the_runtimes_words() -> None:
     """The production implementation against the real cuda-python, on a host where the runtime finds no device."""
     if importlib.util.find_spec("cuda") is None or probe_cuda()[0] is not None:
         pytest.skip("needs cuda-python installed and no usable GPU")
-    from gateway.frontends.cuda_ipc import CudaPythonIpc, _runtime_and_driver
+    from gateway.requests.cuda_ipc import CudaPythonIpc, _runtime_and_driver
 
     ipc = CudaPythonIpc(*_runtime_and_driver())
     with pytest.raises(CudaIpcError, match=r"^cudaSetDevice\(0\): .+"):

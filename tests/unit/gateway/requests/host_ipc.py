@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from gateway.frontends.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError
+from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcError
 
 _SPACING = 1 << 32  # fake device addresses: one allocation per 4 GiB
 

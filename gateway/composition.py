@@ -1,0 +1,189 @@
+"""The composition root: every part of the gateway, built from the config in one place.
+
+``build_gateway`` reads the config, builds the parts (cluster, router,
+admission, split models, fleet with its placement, batchers, statistics,
+latency, sequences, response cache, ensembles, label files, tracing) and
+hands them to ``gateway.core.Gateway``, which builds none of its own. Where
+a setup differs, it passes different parts through the same seams
+(``Seams``) instead of subclassing or patching the core: several gateway
+processes (``gateway.multiproc``) supply a follower's placement, statistics
+summed over the processes, repository control taken by the leader and trace
+settings alike in every process (``group_seams``).
+
+``compose`` adds what the frontends share beside the core (the clients'
+shared-memory regions and the log settings: replicated among several
+processes) and is what ``gateway.app`` calls. Tests build gateways here too,
+passing a cluster or router of their own.
+
+May import every gateway package (it sits above the core), except
+``gateway.app`` and ``gateway.up``, which import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tritonclient.grpc import model_config_pb2
+
+from gateway.batching.policy import BatchPolicy
+from gateway.batching.registry import Batchers, PolicyFor
+from gateway.caching.response_cache import ResponseCache
+from gateway.config import GatewayConfig
+from gateway.core import Gateway, GatewayParts, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
+from gateway.ensembles.runner import Ensembles
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.manager import Fleet, PlacementFactory
+from gateway.fleet.placement import PlacementController
+from gateway.fleet.registry import Registry
+from gateway.frontends.log_settings import LogSettings
+from gateway.limits import Admission
+from gateway.multiproc.group import FollowerPlacement, GroupModelControl, GroupStatistics
+from gateway.multiproc.peers import ProcessGroup
+from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
+from gateway.observability.latency import LatencyHistograms
+from gateway.observability.stats import GatewayStats
+from gateway.observability.trace_settings import TraceConfig, TraceSettings, trace_config
+from gateway.observability.tracing import RequestTracing
+from gateway.parallel.serving import ParallelModels
+from gateway.requests.classification import LabelFiles
+from gateway.requests.shared_memory import SharedMemoryRegistry
+from gateway.routing.light import RowCosts
+from gateway.routing.outlier import OutlierDetector
+from gateway.routing.retry_budget import RetryBudget
+from gateway.routing.router import Router
+from gateway.routing.sequences import SequenceRoutes
+from gateway.security.setup import worker_client_factory, worker_token
+from gateway.types import InferRequest, InferResponse
+
+# (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
+TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSettings]
+
+
+@dataclass(frozen=True, slots=True)
+class Seams:
+    """What a setup supplies in place of the single-process parts; the defaults are one process's."""
+
+    placement: PlacementFactory | None = None  # None: the fleet's own ``PlacementController``
+    statistics: StatisticsScope = LocalStatistics()
+    control: ModelControl = LocalModelControl()
+    trace_settings: TraceSettingsFactory | None = None  # None: ``TraceSettings`` of this process alone
+    process_index: int | None = None  # among several processes: each writes its own trace file
+
+
+@dataclass(frozen=True, slots=True)
+class Composition:
+    """The core and what the frontends share beside it, as ``gateway.app`` serves them."""
+
+    gateway: Gateway
+    shm: SharedMemoryRegistry  # the clients' shared-memory regions, one registry for both frontends
+    logs: LogSettings
+    group: ProcessGroup | None = None  # set for a process among several
+    replicator: Replicator | None = None  # its extension state, changed in every process
+
+
+def compose(config: GatewayConfig, group: ProcessGroup | None = None) -> Composition:
+    """One process's gateway; with ``group``, one process among several (``gateway.multiproc``)."""
+    if group is None:
+        return Composition(build_gateway(config), SharedMemoryRegistry(), LogSettings())
+    replicator = Replicator(group)
+    gateway = build_gateway(config, seams=group_seams(group, replicator))
+    return Composition(gateway, GroupRegions(replicator), GroupLogSettings(replicator), group, replicator)
+
+
+def group_seams(group: ProcessGroup, replicator: Replicator) -> Seams:
+    """A process among several: the leader's placement decides (a follower's asks it), statistics
+    are summed over the processes, the leader acts on repository control, trace settings are replicated."""
+
+    def follower(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
+        return FollowerPlacement(config, cluster, registry, group)
+
+    def trace_settings(trace: TraceConfig, known_model: Callable[[str], bool]) -> TraceSettings:
+        return GroupTraceSettings(trace, known_model, replicator)
+
+    return Seams(placement=None if group.is_leader else follower, statistics=GroupStatistics(group),
+                 control=GroupModelControl(group), trace_settings=trace_settings, process_index=group.index)
+
+
+def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, router: Router | None = None,
+                  seams: Seams = Seams()) -> Gateway:
+    """The gateway of ``config``: every part built here (``cluster`` and ``router`` may be given), then the core."""
+    cluster = cluster or build_cluster(config)
+    router = router or build_router(config, cluster)
+    gateway: Gateway  # bound at the end: two parts call back into the gateway, through these two functions
+
+    def known_model(name: str) -> bool:  # the trace settings' check of a model name
+        return gateway.model_ready(name)
+
+    async def run_step(request: InferRequest) -> InferResponse:  # an ensemble's step: a request of its own
+        return await gateway.run_request(request)
+
+    trace = trace_config(config)
+    settings = (seams.trace_settings(trace, known_model) if seams.trace_settings is not None
+                else TraceSettings(trace, known_model=known_model))
+    parts = GatewayParts(
+        config=config,
+        cluster=cluster,
+        router=router,
+        admission=Admission(config.admission_settings()),
+        # Logical models split across workers (config `models.<name>.from/path`).
+        parallel=ParallelModels(config, cluster, router),
+        fleet=Fleet(config, cluster, token=worker_token(config), placement=seams.placement),
+        batchers=Batchers(batch_policy_for(config)),
+        stats=GatewayStats(),
+        latency=LatencyHistograms(),
+        sequences=SequenceRoutes(cluster, router),
+        cache=ResponseCache(config.cache_size),
+        ensembles=Ensembles(run_step),
+        # Label files of the classification extension, read from the repository the gateway knows.
+        labels=LabelFiles(config.model_repository),
+        tracing=RequestTracing(settings, process_index=seams.process_index),
+        statistics=seams.statistics,
+        control=seams.control,
+    )
+    gateway = Gateway(parts)
+    return gateway
+
+
+def build_cluster(config: GatewayConfig) -> Cluster:
+    return Cluster(
+        config.workers,
+        probe_interval_s=config.probe_interval_s,
+        failures_to_down=config.probe_failures_to_down,
+        probe_timeout_s=config.probe_timeout_s,
+        model_hints=tuple(config.models),
+        # The worker token and TLS credentials, when configured.
+        client_factory=worker_client_factory(config),
+    )
+
+
+def build_router(config: GatewayConfig, cluster: Cluster) -> Router:
+    retry = config.retry_settings()
+    return Router(
+        cluster,
+        max_inflight_per_replica=config.max_inflight_per_replica,
+        busy_inflight_per_replica=config.busy_inflight_per_replica,
+        retry_limit=config.retry_limit,
+        retry_backoff_s=retry.backoff_base_s,
+        retry_backoff_max_s=retry.backoff_max_s,
+        retry_budget=RetryBudget.from_settings(retry),
+        outliers=OutlierDetector(config.outlier_settings()),
+        hedging=config.hedge_settings(), per_model=config.models, row_costs=RowCosts(config.light_row_ms / 1000),
+    )
+
+
+def batch_policy_for(config: GatewayConfig) -> PolicyFor:
+    """Each model's batching policy: its Triton config, then the gateway config's entry for it."""
+
+    def policy_for(name: str, model_config: model_config_pb2.ModelConfig, backend_batches: bool) -> BatchPolicy:
+        return BatchPolicy.from_model_config(
+            model_config,
+            config.batching_settings(name),
+            default_mode=config.batching_mode,
+            # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
+            default_max_queue_size=config.max_queue_size,
+            # Triton servers run the config's dynamic batcher themselves.
+            backend_batches=backend_batches,
+        )
+
+    return policy_for

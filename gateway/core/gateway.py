@@ -1,0 +1,219 @@
+"""The gateway's core: what both frontends call (``Gateway``, the ``InferenceCore``).
+
+``Gateway`` builds none of its parts: ``gateway.composition`` builds them from
+the config and hands them in (``GatewayParts``). Inference goes through the
+request path in ``gateway.core.pipeline`` (read it first: its docstring walks
+one request through every step); model resolution is ``gateway.core.models``.
+Here: start and stop in order, health, metadata, statistics and repository
+requests, answered from the cluster's view. Where several gateway processes
+serve together, statistics and repository control go through the seams in
+``gateway.core.parts``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from gateway import __version__
+from gateway.batching.batcher import Batcher
+from gateway.caching.response_cache import fill_statistics
+from gateway.core.models import ModelCatalog, version_key
+from gateway.core.parts import GatewayParts
+from gateway.core.pipeline import RequestPipeline
+from gateway.ensembles.plan import is_ensemble
+from gateway.fleet import repository
+from gateway.fleet.placement import PlacementController
+from gateway.fleet.readiness import unservable
+from gateway.types import InferRequest, InferResponse
+from protos.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "model_repository", "model_repository(unload_dependents)", "schedule_policy", "model_configuration", "statistics",
+    "binary_tensor_data", "parameters", "system_shared_memory", "logging", "classification", "trace",
+]
+
+
+class Gateway:
+    """Implements ``gateway.types.InferenceCore`` over a cluster of workers, with the parts it is given.
+
+    ``models`` and ``pipeline`` are the core's own two halves (resolution, the
+    request path), reading the same parts; nothing else is made here.
+    """
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.cluster = parts.cluster
+        self.router = parts.router
+        self.parallel = parts.parallel
+        self.fleet = parts.fleet
+        self.stats = parts.stats
+        self.latency = parts.latency
+        self.sequences = parts.sequences
+        self.cache = parts.cache
+        self.ensembles = parts.ensembles
+        self.tracing = parts.tracing
+        self._batchers = parts.batchers
+        self.models = ModelCatalog(parts)
+        self.pipeline = RequestPipeline(parts, self.models)
+        self._shutting_down = False
+
+    @property
+    def placement(self) -> PlacementController:
+        """The fleet's placement (read by the metrics: moves, loads, rounds)."""
+        return self.fleet.placement
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.cluster.start()
+        try:
+            await self.fleet.start()
+            await self.parallel.start()
+        except BaseException:
+            await self.fleet.stop()
+            await self.cluster.stop()
+            raise
+        self.pipeline.accepting = True
+
+    def begin_shutdown(self) -> None:
+        """Not ready from now on (requests already on their way are still served until ``stop``)."""
+        self._shutting_down = True
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop taking requests, let queued ones finish within the grace period, close."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self._shutting_down = True
+        self.pipeline.accepting = False
+        await self._batchers.close_all(grace)
+        await self.fleet.stop()
+        await self.parallel.stop()
+        self.sequences.close()
+        await self.cluster.stop()
+
+    def batchers(self) -> dict[tuple[str, str], Batcher]:
+        """The live batchers by (model, version), for metrics: a copy, safe to iterate."""
+        return self._batchers.snapshot()
+
+    # ---- inference (gateway.core.pipeline) ----------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        return await self.pipeline.infer(request)
+
+    async def run_request(self, request: InferRequest) -> InferResponse:
+        """An admitted request (an ensemble's steps are): the request path after admission."""
+        return await self.pipeline.run_request(request)
+
+    # ---- health and metadata ----------------------------------------------
+
+    def server_live(self) -> bool:
+        return True
+
+    def server_ready(self) -> bool:
+        """Up and not shutting down; with strict readiness, also nothing in :meth:`unservable`."""
+        if not self.pipeline.accepting or self._shutting_down:
+            return False
+        return not self.config.strict_readiness or not self.unservable()
+
+    def unservable(self) -> dict[str, str]:
+        """What the gateway is asked to serve and cannot now (``gateway.fleet.readiness``)."""
+        problems = unservable(self.cluster, self.fleet.placement.book, self.parallel.index_entries())
+        for name, info in self.cluster.models().items():  # an ensemble is servable when its steps are
+            if is_ensemble(info.config) and (why := self.models.missing_step(info.config)) is not None:
+                problems.setdefault(name, why)
+        return problems
+
+    def server_metadata(self) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self.models.ready(name, version)
+
+    def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
+        info, _ = self.models.model(name, version)
+        md = service_pb2.ModelMetadataResponse()
+        md.CopyFrom(info.metadata)
+        md.versions[:] = sorted(info.versions, key=version_key)
+        return md
+
+    def model_config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig:
+        info, _ = self.models.model(name, version)
+        return info.config
+
+    async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
+        """The whole gateway's statistics: this process's, or every process's summed (``StatisticsScope``)."""
+        return await self.parts.statistics.whole(await self.local_statistics(name, version), name, version)
+
+    async def local_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
+        """This process's own statistics of ``name`` (all models when empty)."""
+        if name:
+            _, resolved = self.models.model(name, version)
+            version = resolved
+        known = [(m, max(info.versions, key=version_key)) for m, info in self.cluster.models().items() if info.versions]
+        known += [(e.name, e.version) for e in self.parallel.index_entries() if self.parallel.model(e.name)]
+        response = self.stats.to_proto(name, version, known)
+        fill_statistics(response, self.cache.counters())
+        config = self.model_config(name) if name else None
+        if config is not None and is_ensemble(config):  # after the ensemble's entry, its steps' shares
+            steps = [(s.index, s.model, s.version or self.models.latest(s.model)) for s in self.ensembles.plan(config).steps]
+            self.stats.add_step_entries(response, steps)
+        return response
+
+    async def worker_statistics(self, name: str = "", version: str = "") -> list[repository.WorkerStatistics]:
+        """Each worker's own statistics of ``name`` (all models when empty): Triton's, or our worker's."""
+        if name:
+            self.models.model(name, version)
+        return await repository.worker_statistics(self.cluster, name, version)
+
+    # ---- repository --------------------------------------------------------
+
+    async def repository_index(self, ready_only: bool = False) -> service_pb2.RepositoryIndexResponse:
+        index = await repository.merged_index(self.cluster, ready_only)
+        # Logical models are listed with the shard models their workers report.
+        index.models.extend(e for e in self.parallel.index_entries() if not ready_only or e.state == "READY")
+        return index
+
+    def _check_model_control(self) -> None:
+        if self.config.model_control_mode != "explicit":
+            # Triton's words and code (UNAVAILABLE) for a server without explicit model control.
+            raise Unavailable("explicit model load / unload is not allowed if polling is enabled")
+
+    async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
+        self._check_model_control()
+        if await self.parts.control.forward_load(name, parameters):
+            return
+        if self.parallel.serves(name):
+            await self.parallel.load(name)  # re-split the source and push what changed
+        else:
+            self.fleet.placement.note_load(name)
+            self.cache.clear(name)  # a reload may answer differently
+            await repository.load(self.cluster, name, parameters)
+        await self.parts.control.changed(name)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_model_control()
+        if await self.parts.control.forward_unload(name, unload_dependents):
+            return
+        if self.parallel.serves(name):
+            await self.parallel.unload(name)
+        else:
+            self.fleet.placement.note_unload(name)
+            await repository.unload(self.cluster, name, unload_dependents)
+        self.cache.clear(name)
+        await self._batchers.close_model(name, self.config.shutdown_grace_s)
+        await self.parts.control.changed(name)
+
+    async def reread(self, name: str) -> None:
+        """Another process loaded or unloaded ``name``: read the workers again, forget cached answers."""
+        self.cache.clear(name)
+        await self.cluster.refresh()
+        if self.cluster.model(name) is None:
+            await self._batchers.close_model(name, self.config.shutdown_grace_s)
+
+    def placement_view(self) -> dict[str, Any]:
+        return self.fleet.placement.view()
