@@ -1,7 +1,9 @@
 """The infergate gateway: the serving path between clients and workers.
 
 A request enters at ``frontends.http_api`` or ``frontends.grpc_api`` and goes
-on to ``core.Gateway``; ``app`` wires a process together.
+on to ``core.pipeline`` (its steps, named, in one file; ``docs/architecture.md``
+walks through them); ``composition`` builds every part, ``app`` wires a process
+together.
 
 The layers, one a line with what it owns, from the lowest (1) to the
 highest: a module may import modules of its own layer or of a lower-numbered
@@ -26,11 +28,10 @@ being built.
 13. ``frontends``: HTTP/REST and gRPC, wire codecs, guards, admin routes, HTTP error answers.
 14. ``security``: API keys, TLS, the frontends' access checks, the worker token.
 15. ``multiproc``: several gateway processes behind one pair of ports.
-16. ``core``: the request path: resolve, validate, admit, queue, route, answer.
-17. ``pipeline``: the request path as named steps, in one file.
-18. ``composition``: builds every part from the config and hands each its collaborators.
-19. ``app``: process wiring: which parts start and stop in which order.
-20. ``up``: a local cluster (workers and a gateway) in one command.
+16. ``core``: the request path as named steps (``core.pipeline``), model resolution, metadata and repository calls.
+17. ``composition``: builds every part from the config and hands each its collaborators.
+18. ``app``: process wiring: which parts start and stop in which order.
+19. ``up``: a local cluster (workers and a gateway) in one command.
 
 May import, besides: ``protos``, ``serverkit``, ``splitter``; never
 ``workers``, ``loadtest`` or ``batchjobs``.
