@@ -1,9 +1,12 @@
 """The gateway's gRPC frontend: KServe v2 ``inference.GRPCInferenceService``
 plus the standard gRPC health service, in front of an ``InferenceCore``.
 
-Owns the client deadline and cancellation hand-off to the core, the bidirectional
-inference stream, and the one place where errors become gRPC statuses; the
-wire <-> ``InferRequest``/``InferResponse`` conversion is ``gateway.frontends.grpc_wire``.
+Owns the client deadline and cancellation hand-off to the core and the
+bidirectional inference stream. The wire <-> ``InferRequest``/``InferResponse``
+conversion is ``gateway.frontends.grpc_wire``; the one place where errors
+become gRPC statuses ``gateway.frontends.grpc_errors``; the health service
+``gateway.frontends.grpc_health``.
+
 The ``grpc.aio.Server`` itself (ports, message size limits, TLS, start and
 stop) belongs to the application, which calls :func:`add_grpc_services`.
 """
@@ -12,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from gateway.frontends.grpc_errors import abort, as_error, stream_error, unary_edge
+from gateway.frontends.grpc_health import HealthServicer
 from gateway.frontends.grpc_wire import (
     EMPTY_FINAL,
     FINAL_RESPONSE,
@@ -32,72 +36,9 @@ from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry, advertise
 from gateway.types import InferenceCore, InferRequest
 from protos import wire
-from protos.errors import Cancelled, InferGateError, Internal, retry_metadata
-
-_log = logging.getLogger(__name__)
+from protos.errors import Cancelled
 
 SERVICE_NAME = "inference.GRPCInferenceService"
-
-_Req = TypeVar("_Req")
-_Resp = TypeVar("_Resp")
-
-
-# ---- errors: the one edge ---------------------------------------------------
-
-
-def _as_error(exc: Exception, request_id: str = "") -> InferGateError:
-    """Our error for ``exc``; anything unexpected becomes an Internal naming its cause, logged with its traceback."""
-    if isinstance(exc, InferGateError):
-        return exc
-    _log.error("unexpected error in gRPC request id=%r", request_id, exc_info=exc)
-    return Internal.caused_by("in the gateway", exc, request_id)
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request_id: str = "") -> NoReturn:
-    """End the RPC with the status of ``exc`` (raises, as ``context.abort`` does)."""
-    err = _as_error(exc, request_id)
-    # A refusal (a full queue, a spent quota) carries its retry hint, as HTTP's Retry-After.
-    await context.abort(err.grpc_code, err.message, trailing_metadata=retry_metadata(err))
-    raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
-
-
-def _rpc_cancelled(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the RPC's own task is being cancelled, rather than something it awaited."""
-    task = asyncio.current_task()
-    return bool(task.cancelling()) if task is not None else context.done()
-
-
-def _unary_edge(
-    method: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]],
-) -> Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]:
-    """Route every exception of a unary handler through :func:`_abort`.
-
-    A cancel of the RPC itself (client cancel, deadline, server stop) passes
-    through untouched. A CancelledError raised from below while the RPC goes
-    on (a future the core awaited was cancelled) must still answer: grpc.aio
-    would otherwise leave the client waiting for its deadline.
-    """
-
-    @functools.wraps(method)
-    async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
-        try:
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError:
-            if _rpc_cancelled(context):
-                raise
-            await _abort(context, Cancelled("the request was cancelled"), getattr(request, "id", ""))
-        except Exception as exc:  # the error-mapping edge
-            await _abort(context, exc, getattr(request, "id", ""))
-
-    return handler
-
-
-def _stream_error(pb: service_pb2.ModelInferRequest, err: InferGateError) -> service_pb2.ModelStreamInferResponse:
-    # The id rides along so raw-stub clients can match the error to its request.
-    echo = service_pb2.ModelInferResponse(model_name=pb.model_name, model_version=pb.model_version, id=pb.id)
-    return service_pb2.ModelStreamInferResponse(error_message=err.message, infer_response=echo)
 
 
 def _apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
@@ -132,46 +73,46 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- health and metadata
 
-    @_unary_edge
+    @unary_edge
     async def ServerLive(self, request: Any, context: Any) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=self._core.server_live())
 
-    @_unary_edge
+    @unary_edge
     async def ServerReady(self, request: Any, context: Any) -> service_pb2.ServerReadyResponse:
         return service_pb2.ServerReadyResponse(ready=self.serving and self._core.server_ready())
 
-    @_unary_edge
+    @unary_edge
     async def ServerMetadata(self, request: Any, context: Any) -> service_pb2.ServerMetadataResponse:
         return advertise(self._core.server_metadata(), self._shm)
 
-    @_unary_edge
+    @unary_edge
     async def ModelReady(self, request: Any, context: Any) -> service_pb2.ModelReadyResponse:
         return service_pb2.ModelReadyResponse(ready=self._core.model_ready(request.name, request.version))
 
-    @_unary_edge
+    @unary_edge
     async def ModelMetadata(self, request: Any, context: Any) -> service_pb2.ModelMetadataResponse:
         return self._core.model_metadata(request.name, request.version)
 
-    @_unary_edge
+    @unary_edge
     async def ModelConfig(self, request: Any, context: Any) -> service_pb2.ModelConfigResponse:
         return service_pb2.ModelConfigResponse(config=self._core.model_config(request.name, request.version))
 
-    @_unary_edge
+    @unary_edge
     async def ModelStatistics(self, request: Any, context: Any) -> service_pb2.ModelStatisticsResponse:
         return await self._core.model_statistics(request.name, request.version)
 
     # -- repository
 
-    @_unary_edge
+    @unary_edge
     async def RepositoryIndex(self, request: Any, context: Any) -> service_pb2.RepositoryIndexResponse:
         return await self._core.repository_index(ready_only=request.ready)
 
-    @_unary_edge
+    @unary_edge
     async def RepositoryModelLoad(self, request: Any, context: Any) -> service_pb2.RepositoryModelLoadResponse:
         await self._core.load_model(request.model_name, dict(request.parameters))
         return service_pb2.RepositoryModelLoadResponse()
 
-    @_unary_edge
+    @unary_edge
     async def RepositoryModelUnload(self, request: Any, context: Any) -> service_pb2.RepositoryModelUnloadResponse:
         param = request.parameters.get("unload_dependents")
         dependents = param is not None and param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
@@ -180,7 +121,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference
 
-    @_unary_edge
+    @unary_edge
     async def ModelInfer(
         self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, context: Any
     ) -> service_pb2.ModelInferResponse | wire.RawInferResponse:
@@ -208,7 +149,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
             return service_pb2.ModelStreamInferResponse(infer_response=out)
         except Exception as exc:  # the in-stream error edge: the stream goes on
-            return _stream_error(pb, _as_error(exc, pb.id))
+            return stream_error(pb, as_error(exc, pb.id))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -238,7 +179,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             # coming from below (not from this stream's teardown, after which
             # nobody reads ``done``) ends a task without one. Stand in for it.
             if task.cancelled():
-                done.put_nowait(_stream_error(pb, Cancelled("the request was cancelled")))
+                done.put_nowait(stream_error(pb, Cancelled("the request was cancelled")))
 
         async def read_all() -> None:
             nonlocal spawned
@@ -270,7 +211,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # the error-mapping edge for the stream as a whole
-            await _abort(context, exc)
+            await abort(context, exc)
         finally:
             # Cancel what is left (client gone, stream aborted) and wait for it, so no task outlives its stream.
             pending = [reader, *tasks]
@@ -280,41 +221,41 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- shared memory (gateway.requests.shared_memory; the registry is the HTTP frontend's too)
 
-    @_unary_edge
+    @unary_edge
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         out = service_pb2.SystemSharedMemoryStatusResponse
         return out(regions={r.name: out.RegionStatus(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
                             for r in self._shm.status(request.name)})
 
-    @_unary_edge
+    @unary_edge
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         await self._shm.apply_register(request.name, request.key, request.offset, request.byte_size)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
-    @_unary_edge
+    @unary_edge
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         await self._shm.apply_unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
-    @_unary_edge
+    @unary_edge
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         out = service_pb2.CudaSharedMemoryStatusResponse
         return out(regions={r.name: out.RegionStatus(name=r.name, device_id=r.device_id, byte_size=r.byte_size)
                             for r in self._shm.cuda_status(request.name)})
 
-    @_unary_edge
+    @unary_edge
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         await self._shm.apply_register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
         return service_pb2.CudaSharedMemoryRegisterResponse()
 
-    @_unary_edge
+    @unary_edge
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         await self._shm.apply_unregister_cuda(request.name)
         return service_pb2.CudaSharedMemoryUnregisterResponse()
 
     # -- logging (gateway.frontends.log_settings; shared with the HTTP frontend)
 
-    @_unary_edge
+    @unary_edge
     async def LogSettings(self, request: Any, context: Any) -> service_pb2.LogSettingsResponse:
         wanted = {key: _setting_value(v) for key, v in request.settings.items()}
         current = await self._logs.apply(wanted) if wanted else self._logs.current()
@@ -331,7 +272,7 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- trace settings (gateway.observability.trace_settings; shared with the HTTP frontend)
 
-    @_unary_edge
+    @unary_edge
     async def TraceSetting(self, request: Any, context: Any) -> service_pb2.TraceSettingResponse:
         settings = self._tracing.settings
         wanted = {key: list(v.value) for key, v in request.settings.items()}
@@ -345,45 +286,10 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 # ---- wiring ---------------------------------------------------------------------
 
 
-class _HealthServicer(health_pb2_grpc.HealthServicer):
-    """The standard grpc.health.v1 service, with a synchronous ``set``.
-
-    Runs on the server's event loop only. Invariant for Watch: a watcher takes
-    the current ``_changed`` event *before* reading the status, and ``set``
-    swaps in a fresh event before firing the old one, so no change between a
-    read and the wait is missed.
-    """
-
-    def __init__(self, services: tuple[str, ...], status: int) -> None:
-        self._status = dict.fromkeys(services, status)
-        self._changed = asyncio.Event()
-
-    def set(self, service: str, status: int) -> None:
-        self._status[service] = status
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
-        status = self._status.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
-        last = None
-        while True:
-            changed = self._changed
-            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            await changed.wait()
-
-
 class GrpcFrontend:
     """Handle on the registered services, for the application's start/stop sequence."""
 
-    def __init__(self, servicer: _InferenceServicer, health: _HealthServicer) -> None:
+    def __init__(self, servicer: _InferenceServicer, health: HealthServicer) -> None:
         self._servicer = servicer
         self._health = health
 
@@ -434,7 +340,7 @@ def add_grpc_services(
     )
     servicer.serving = serving
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    health = _HealthServicer(("", SERVICE_NAME), status)
+    health = HealthServicer(("", SERVICE_NAME), status)
     # ModelInfer with the large-message codec (protos.wire): tensors of a large
     # request stay views of the received bytes and large outputs are written
     # without a copy into protobuf. Registered first, so it is the one found.

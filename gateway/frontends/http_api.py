@@ -5,7 +5,8 @@ request reading, response compression) and turns each endpoint into calls on
 an ``InferenceCore``. The JSON bodies of the management endpoints
 (metadata, config, statistics, repository) in Triton's shape live in
 ``gateway.frontends.http_json``; the inference body format in
-``gateway.frontends.http_codec``.
+``gateway.frontends.http_codec``; compressed bodies in
+``gateway.frontends.http_compression``.
 
 Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
@@ -35,14 +36,8 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_response import ContentCoding
 
-from gateway.frontends.http_codec import (
-    EncodedInfer,
-    choose_encoding,
-    decode_infer_request,
-    encode_infer_response,
-    inflate_bounded,
-    parse_json_object,
-)
+from gateway.frontends.http_codec import EncodedInfer, decode_infer_request, encode_infer_response, parse_json_object
+from gateway.frontends.http_compression import choose_encoding, inflate_bounded
 from gateway.frontends.http_errors import error_response
 from gateway.frontends.http_extensions import add_extension_routes
 from gateway.frontends.http_json import (

@@ -23,13 +23,8 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.frontends.http_api import error_middleware
-from gateway.frontends.http_codec import (
-    DecodedInfer,
-    choose_encoding,
-    decode_infer_request,
-    encode_infer_response,
-    inflate_bounded,
-)
+from gateway.frontends.http_codec import DecodedInfer, decode_infer_request, encode_infer_response
+from gateway.frontends.http_compression import choose_encoding, inflate_bounded
 from gateway.frontends.http_json import load_parameters, message_to_json, repository_index_to_json
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
 from protos import codec
