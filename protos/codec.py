@@ -1,11 +1,11 @@
 """The KServe v2 tensor codec: datatypes, raw bytes, typed contents, JSON.
 
-Owns every conversion between numpy arrays and the wire forms of a tensor:
-the datatype table, the BYTES length-prefix encoding (a 4-byte little-endian
-length before each element, row-major), gRPC typed contents
-(``InferTensorContents``), HTTP JSON ``data`` lists (built on this module in ``protos.json_codec``),
-and splitting or joining
-batched tensors along dim 0.
+Owns the conversions between numpy arrays and raw tensor bytes: the datatype
+table, the BYTES length-prefix encoding (a 4-byte little-endian length before
+each element, row-major), and splitting or joining batched tensors along
+dim 0. The other wire forms are built on this module: gRPC typed contents
+(``InferTensorContents``) in ``protos.contents_codec``, HTTP JSON ``data``
+lists in ``protos.json_codec``.
 
 The hot path (``validate_raw``, ``split_rows``, ``concat_rows``) works on
 bytes and memoryviews only; numpy appears only where values must be read.
@@ -23,7 +23,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from tritonclient.grpc import service_pb2
 
 from protos.errors import InvalidArgument
 
@@ -71,24 +70,6 @@ _KNOWN = tuple(_ITEMSIZE) + ("BYTES",)
 _BY_KIND_SIZE: dict[tuple[str, int], str] = {
     (dt.kind, dt.itemsize): name for name, dt in DATATYPES.items() if dt.kind in "buif"
 }
-
-# Typed contents field of each datatype, and the numpy dtype its values have.
-# FP16 and BF16 have none: they travel only as raw contents.
-_CONTENTS: dict[str, tuple[str, np.dtype]] = {
-    datatype: (field, np.dtype(wire))
-    for field, wire, datatypes in (
-        ("bool_contents", np.bool_, ("BOOL",)),
-        ("int_contents", np.int32, ("INT8", "INT16", "INT32")),
-        ("int64_contents", np.int64, ("INT64",)),
-        ("uint_contents", np.uint32, ("UINT8", "UINT16", "UINT32")),
-        ("uint64_contents", np.uint64, ("UINT64",)),
-        ("fp32_contents", np.float32, ("FP32",)),
-        ("fp64_contents", np.float64, ("FP64",)),
-        ("bytes_contents", np.object_, ("BYTES",)),
-    )
-    for datatype in datatypes
-}
-
 
 def _label(name: str | None, role: str) -> str:
     return f"{role} '{name}'" if name is not None else "tensor"
@@ -312,60 +293,6 @@ def decode(
             raise CodecError(f"{_label(name, role)}: {exc.message}") from None
     validate_raw(datatype, dims, raw, name=name, role=role, model=model)
     return np.frombuffer(raw, dtype=numpy_dtype(datatype)).reshape(dims)
-
-
-# --- gRPC typed contents ----------------------------------------------------
-
-
-def contents_to_raw(
-    datatype: str,
-    shape: Sequence[int],
-    contents: service_pb2.InferTensorContents,
-    *,
-    name: str | None = None,
-) -> bytes:
-    """Raw bytes of a tensor sent in the typed ``contents`` fields."""
-    _check_datatype(datatype)
-    what = _label(name, "input")
-    if datatype not in _CONTENTS:
-        raise CodecError(f"{what}: {datatype} has no typed contents field; send it in raw_input_contents")
-    field, wire = _CONTENTS[datatype]
-    values = getattr(contents, field)
-    count = element_count(shape)
-    if len(values) != count:
-        used = [f.name for f, _ in contents.ListFields()]
-        hint = f" (data found in {', '.join(used)})" if used and field not in used else ""
-        raise CodecError(
-            f"{what}: expected {count} values in {field} for {datatype} {_fmt_shape(shape)}, "
-            f"got {len(values)}{hint}"
-        )
-    if datatype == "BYTES":
-        return _serialize_items(values)
-    arr = np.fromiter(values, dtype=wire, count=count)
-    target = DATATYPES[datatype]
-    if target.kind in "iu" and target.itemsize < wire.itemsize and count:
-        info = np.iinfo(target)
-        if arr.min() < info.min or arr.max() > info.max:
-            raise CodecError(f"{what}: a value in {field} is out of range for {datatype}")
-    return arr.astype(target, copy=False).tobytes()
-
-
-def raw_to_contents(datatype: str, raw: Buffer) -> service_pb2.InferTensorContents:
-    """Typed contents holding the tensor in ``raw`` (for clients and tests)."""
-    _check_datatype(datatype)
-    if datatype not in _CONTENTS:
-        raise CodecError(f"{datatype} has no typed contents field; use raw contents")
-    field, wire = _CONTENTS[datatype]
-    contents = service_pb2.InferTensorContents()
-    if datatype == "BYTES":
-        contents.bytes_contents.extend(deserialize_bytes_tensor(raw).tolist())
-        return contents
-    size = memoryview(raw).nbytes
-    if size % _ITEMSIZE[datatype]:
-        raise CodecError(f"{size} bytes is not a whole number of {datatype} elements")
-    arr = np.frombuffer(raw, dtype=DATATYPES[datatype]).astype(wire)
-    getattr(contents, field).extend(arr.tolist())
-    return contents
 
 
 # --- batching ---------------------------------------------------------------

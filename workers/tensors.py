@@ -18,7 +18,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
-from protos import codec
+from protos import codec, contents_codec
 from protos.errors import InvalidArgument, Unsupported
 from workers.repository import wire_datatype
 
@@ -148,7 +148,7 @@ def decode_inputs(sig: ModelSignature, request: service_pb2.ModelInferRequest) -
                 )
             raw: bytes = raw_contents[index]
         else:
-            raw = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=tensor.name)
+            raw = contents_codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=tensor.name)
         arrays[tensor.name] = codec.decode(tensor.datatype, shape, raw, name=tensor.name, model=sig.name)
     return arrays
 

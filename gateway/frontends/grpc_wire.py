@@ -15,7 +15,7 @@ from gateway.requests.classification import PARAMETER as CLASSIFICATION
 from gateway.requests.classification import class_count
 from gateway.requests.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
 from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
-from protos import codec, wire
+from protos import contents_codec, wire
 from protos.errors import InvalidArgument, Unsupported
 
 # Request parameters the frontend consumes itself rather than passing on.
@@ -121,7 +121,7 @@ def decode_infer_request(
             data: bytes | memoryview = raw[index]
             index += 1
         else:
-            data = codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
+            data = contents_codec.contents_to_raw(tensor.datatype, shape, tensor.contents, name=name)
         inputs.append(Tensor(name, tensor.datatype, shape, data, params))
 
     outputs: list[RequestedOutput] = []

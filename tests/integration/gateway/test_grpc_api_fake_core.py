@@ -20,7 +20,7 @@ import tritonclient.grpc.aio as aiogrpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from protos import codec
+from protos import codec, contents_codec
 from tests.integration.gateway.grpc_fake_core import Served, serve_grpc_fake_core
 
 WAIT_S = 10.0  # bound on waiting for an event that must happen; never a timing assert
@@ -88,7 +88,7 @@ async def test_infer_typed_contents_raw_stub(served: Served, stub: service_pb2_g
     }
     for name, (datatype, arr) in typed.items():
         pb.inputs.add(name=name, datatype=datatype, shape=[2]).contents.CopyFrom(
-            codec.raw_to_contents(datatype, codec.encode(arr)[2])
+            contents_codec.raw_to_contents(datatype, codec.encode(arr)[2])
         )
     response = await stub.ModelInfer(pb)
     assert response.id == "typed"

@@ -1,5 +1,5 @@
-"""Unit tests of protos.codec: round trips of every datatype through raw bytes,
-typed contents and row splits (JSON: test_json_codec.py); byte-for-byte agreement with
+"""Unit tests of protos.codec: round trips of every datatype through raw bytes
+and row splits (JSON: test_json_codec.py; typed contents: test_contents_codec.py); byte-for-byte agreement with
 tritonclient's BYTES encoding; and that each malformed input raises
 CodecError with a message saying what is wrong."""
 
@@ -14,7 +14,6 @@ import tritonclient.utils as tc_utils
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from tritonclient.grpc import service_pb2
 
 from protos import codec, json_codec
 from protos.errors import InvalidArgument
@@ -22,16 +21,6 @@ from protos.errors import InvalidArgument
 FIXED = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
          "FP16", "FP32", "FP64", "BF16"]  # fmt: skip
 ALL = FIXED + ["BYTES"]
-# The typed contents field the KServe v2 proto assigns to each datatype.
-CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}  # fmt: skip
-
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -64,7 +53,7 @@ def tensors(draw, datatype: str, shape=SHAPES, finite: bool = False, text: bool 
     return draw(hnp.arrays(dtype, dims))
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+def same_tensor(a: np.ndarray, b: np.ndarray) -> bool:
     if a.dtype == np.object_:
         return a.shape == b.shape and a.tolist() == b.tolist()
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -105,8 +94,6 @@ def test_unknown_datatype_everywhere() -> None:
         lambda: codec.byte_size("FP8", [1]),
         lambda: codec.decode("FP8", [1], b"\0"),
         lambda: codec.validate_raw("FP8", [1], b"\0"),
-        lambda: codec.contents_to_raw("FP8", [1], service_pb2.InferTensorContents()),
-        lambda: codec.raw_to_contents("FP8", b"\0"),
         lambda: json_codec.json_to_raw("FP8", [1], [1]),
         lambda: json_codec.raw_to_json("FP8", [1], b"\0"),
         lambda: codec.split_rows("FP8", [1], b"\0", [1]),
@@ -146,7 +133,7 @@ def test_encode_decode_round_trip(datatype: str, data: st.DataObject) -> None:
         assert len(raw) == codec.byte_size(datatype, shape)
     codec.validate_raw(datatype, shape, raw)
     back = codec.decode(datatype, shape, raw)
-    assert _same(back, arr)
+    assert same_tensor(back, arr)
     assert codec.decode(datatype, shape, memoryview(raw)).shape == arr.shape
 
 
@@ -257,49 +244,6 @@ def test_validate_raw_messages() -> None:
         codec.validate_raw("BYTES", [2], b"\0\0\0\0")
     with pytest.raises(codec.CodecError, match=r"^byte size mismatch for tensor. Expected 16, got 8 \(FP64 \[2\]"):
         codec.decode("FP64", [2], b"\0" * 8)
-
-
-# --- typed contents -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("datatype", sorted(CONTENTS_FIELD))
-@FEW
-@given(data=st.data())
-def test_contents_round_trip(datatype: str, data: st.DataObject) -> None:
-    arr = data.draw(tensors(datatype))
-    _, shape, raw = codec.encode(arr)
-    contents = codec.raw_to_contents(datatype, raw)
-    assert [f.name for f, _ in contents.ListFields()] == ([CONTENTS_FIELD[datatype]] if arr.size else [])
-    # Through the wire, as a client would send it.
-    contents = service_pb2.InferTensorContents.FromString(contents.SerializeToString())
-    back = codec.decode(datatype, shape, codec.contents_to_raw(datatype, shape, contents))
-    if arr.dtype.kind == "f":  # Python floats may quiet a signalling NaN
-        assert np.array_equal(back, arr, equal_nan=True)
-    else:
-        assert _same(back, arr)
-
-
-@pytest.mark.parametrize("datatype", ["FP16", "BF16"])
-def test_contents_has_no_half_precision_field(datatype: str) -> None:
-    with pytest.raises(codec.CodecError, match=f"{datatype} has no typed contents field"):
-        codec.contents_to_raw(datatype, [1], service_pb2.InferTensorContents(fp32_contents=[1.0]))
-    with pytest.raises(codec.CodecError, match="no typed contents field"):
-        codec.raw_to_contents(datatype, b"\0\0")
-
-
-def test_contents_errors() -> None:
-    with pytest.raises(codec.CodecError, match=r"input 'X': expected 3 values in fp32_contents for FP32 \[3\], got 2"):
-        codec.contents_to_raw("FP32", [3], service_pb2.InferTensorContents(fp32_contents=[1, 2]), name="X")
-    with pytest.raises(codec.CodecError, match=r"got 0 \(data found in int_contents\)"):
-        codec.contents_to_raw("INT64", [1], service_pb2.InferTensorContents(int_contents=[1]))
-    with pytest.raises(codec.CodecError, match="out of range for INT8"):
-        codec.contents_to_raw("INT8", [2], service_pb2.InferTensorContents(int_contents=[1, 300]))
-    with pytest.raises(codec.CodecError, match="out of range for UINT16"):
-        codec.contents_to_raw("UINT16", [1], service_pb2.InferTensorContents(uint_contents=[70000]))
-    with pytest.raises(codec.CodecError, match="not a whole number of INT32"):
-        codec.raw_to_contents("INT32", b"\0" * 5)
-    ok = codec.contents_to_raw("INT8", [2], service_pb2.InferTensorContents(int_contents=[-128, 127]))
-    assert ok == b"\x80\x7f"
 
 
 # --- batching -------------------------------------------------------------------
