@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-$(MODELS_STAMP): $(STAMP) models/build.py models/sequences.py
+$(MODELS_STAMP): $(STAMP) models/build.py models/graphs.py models/graph_builder.py models/sequences.py
 	$(VENV)/bin/infergate models build models
 	@touch $(MODELS_STAMP)
 

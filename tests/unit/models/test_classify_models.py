@@ -14,7 +14,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from gateway.ensembles.plan import build_plan
-from models.build import CHANNEL_MEAN, CHANNEL_STD, TOP_K, build_repository, example_names
+from models.build import build_repository, example_names
+from models.graphs import CHANNEL_MEAN, CHANNEL_STD, TOP_K
 
 
 @pytest.fixture(scope="module")

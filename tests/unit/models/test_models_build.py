@@ -1,4 +1,4 @@
-"""Tests for models/build.py: the example repository's graphs, configs and CLI."""
+"""Tests for models/build.py and models/graphs.py: the example repository's graphs, configs and CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from infergate.cli import main as cli_main
-from models.build import D_MODEL, MAX_SEQ_LEN, VOCAB_SIZE, build_repository
+from models.build import build_repository
+from models.graphs import D_MODEL, MAX_SEQ_LEN, VOCAB_SIZE
 
 NUMERIC_NAMES = ["simple", "mlp", "cnn", "encoder"]
 STRING_NAMES = ["identity_string", "string_to_int"]

@@ -143,8 +143,8 @@ def test_torch_export() -> None:
 
 
 def test_example_repository_models() -> None:
-    build = pytest.importorskip("models.build")
-    for name, model in (("mlp", build.build_mlp()), ("encoder", build.build_encoder())):
+    graphs = pytest.importorskip("models.graphs")
+    for name, model in (("mlp", graphs.build_mlp()), ("encoder", graphs.build_encoder())):
         for n in (2, 4):
             _, shares = split_and_verify(model, n, name=name)
             assert shares[0] < 1 / n + 0.05  # the encoder's position table stays whole
