@@ -1,8 +1,9 @@
 """Offline data-parallel jobs (``infergate batch``): stream a data set through
 a gateway and write the outputs in row order.
 
-``cli`` is the command; ``job`` runs chunks concurrently with checkpoints
-(``checkpoint``) and progress (``progress``); ``sources`` and ``arrow`` read
+``cli`` is the command; ``job`` runs a job from its settings to its report,
+with checkpoints (``checkpoint``) and progress (``progress``); ``pipeline``
+sends its chunks concurrently and writes them; ``sources`` and ``arrow`` read
 npy/npz/JSONL/Parquet into row chunks (``rows``); ``sinks`` write them;
 ``client`` is the gRPC client of the gateway.
 

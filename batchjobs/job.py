@@ -1,23 +1,14 @@
 """An offline batch job: stream a data set through a KServe v2 server, resumably.
 
-Owns the pipeline and its invariants. One reader thread turns pending chunks
-of the input into checked row groups (bounded queue of 2); the event loop
-cuts each chunk into requests of ``batch_size`` rows and keeps at most
-``concurrency`` of them in flight (through a gateway, the fleet's workers
-share them: data parallelism); a finished chunk goes to one writer, which
-makes it durable, appends its bad rows to the errors file and only then adds
-its range to the checkpoint. Memory is bounded by the chunks alive at once:
-at most ``MAX_CHUNKS_IN_FLIGHT`` dispatched or being written, plus the
-reader's queue.
+Owns a job from its settings to its report: the model's signature and the
+outputs asked for, the chunking, the checkpoint (a new one, or the one a
+``--resume`` continues, refused when it is another job's), and the finished
+output put in place with its errors file. The chunks themselves go through
+``batchjobs.pipeline``.
 
-A request the server rejects for its rows is retried alone (no other
-request of the job in flight) and split in halves until each bad row stands
-by itself; the other rows are kept.
-
-A stop request (first Ctrl-C or SIGTERM) stops dispatching, lets requests in
-flight finish, writes the chunks they complete and returns; the chunks cut
-short are simply repeated by ``--resume``. A fatal error does the same
-before it is raised.
+A stop request (first Ctrl-C or SIGTERM) lets the pipeline write the chunks
+in flight and returns an interrupted report; the chunks cut short are simply
+repeated by ``--resume``. A fatal error does the same before it is raised.
 """
 
 from __future__ import annotations
@@ -26,42 +17,25 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
-from batchjobs.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    JobFingerprint,
-    commit_chunk,
-    keep_errors_of_done,
-    publish_errors,
-)
-from batchjobs.client import BatchClient, BatchJobError, Isolation, JobClient, RowsRejected
+from batchjobs.checkpoint import Checkpoint, CheckpointError, JobFingerprint, keep_errors_of_done, publish_errors
+from batchjobs.client import BatchClient, BatchJobError, JobClient
+from batchjobs.pipeline import ChunkPipeline, JobStop
 from batchjobs.progress import Progress
-from batchjobs.rows import Chunk, RowGroup
-from batchjobs.sinks import ChunkResult, Sink, open_sink
+from batchjobs.sinks import Sink, open_sink
 from batchjobs.sources import Source, file_format, open_source
 from loadtest.inputs import ModelSignature, TensorSpec
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNKS_IN_FLIGHT = 4
 TARGET_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_ROWS = 16384
 _ASSUMED_VARIABLE_DIM = 64
-T = TypeVar("T")
-
-
-class _Stopped:
-    """What a wait returns when a stop request cut it short."""
-
-
-_STOPPED = _Stopped()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +72,6 @@ class JobReport:
     errors_file: str | None
 
 
-@dataclass(slots=True)
-class _ChunkRun:
-    """A chunk being sent: how many of its requests are outstanding, and what came back."""
-
-    result: ChunkResult
-    pending: int = 0
-    closed: bool = False  # no more requests will be dispatched for it
-    complete: bool = False  # every request was dispatched (closed without a stop)
-
-
 def work_dir_of(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
@@ -128,17 +92,11 @@ class BatchJob:
         self.client: JobClient = client or BatchClient(
             config.url, config.model, config.model_version, headers=config.headers, timeout_s=config.timeout_s,
             retries=config.retries)
-        self._stop = asyncio.Event()
-        self._error: BatchJobError | None = None
+        self._stop = JobStop()
         self.progress: Progress | None = None
 
     def request_stop(self) -> None:
-        self._stop.set()
-
-    def _fail(self, error: BatchJobError) -> None:
-        if self._error is None:
-            self._error = error
-        self._stop.set()
+        self._stop.request()
 
     async def run(self) -> JobReport:
         try:
@@ -206,18 +164,22 @@ class BatchJob:
         cfg = self.config
         n_rows = ckpt.fingerprint.n_rows
         errors_path = ckpt.path.parent / "errors.jsonl"
-        self._bad_rows = keep_errors_of_done(errors_path, ckpt)
+        bad_rows = keep_errors_of_done(errors_path, ckpt)
         resumed = ckpt.done.total()
         pending = ckpt.pending()
         if resumed:
             log.info("resuming: %d of %d rows already done, %d chunks to go", resumed, n_rows, len(pending))
         self.progress = Progress(n_rows, resumed, label=cfg.model, enabled=cfg.progress)
+        pipeline = ChunkPipeline(
+            self.client, self._stop, self.progress, out_specs=self.out_specs, batched=self.batched,
+            batch_size=self.batch_size, concurrency=cfg.concurrency, fail_fast=cfg.fail_fast, input_path=cfg.input,
+            bad_rows=bad_rows)
         started = time.monotonic()
-        await self._pipeline(source, pending, sink, ckpt, errors_path)
+        await pipeline.run(source, pending, sink, ckpt, errors_path)
         self.progress.finish()
         seconds = time.monotonic() - started
-        if self._error is not None:
-            raise self._error
+        if self._stop.error is not None:
+            raise self._stop.error
         done = ckpt.done.total()
         errors_file = None
         if done == n_rows:
@@ -229,183 +191,8 @@ class BatchJob:
             shutil.rmtree(ckpt.path.parent, ignore_errors=True)
         return JobReport(
             status="done" if done == n_rows else "interrupted", rows=n_rows, done_rows=done, resumed_rows=resumed,
-            bad_rows=self._bad_rows, seconds=seconds, rows_per_s=(done - resumed) / seconds if seconds > 0 else 0.0,
+            bad_rows=pipeline.bad_rows, seconds=seconds, rows_per_s=(done - resumed) / seconds if seconds > 0 else 0.0,
             retries=self.client.retried, output=str(cfg.output), errors_file=errors_file)
-
-    async def _pipeline(self, source: Source, pending: list[tuple[int, int]], sink: Sink, ckpt: Checkpoint,
-                        errors_path: Path) -> None:
-        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue(maxsize=2)
-        finished: asyncio.Queue[_ChunkRun | None] = asyncio.Queue()
-        self._chunk_slots = asyncio.Semaphore(MAX_CHUNKS_IN_FLIGHT)
-        self._request_slots = asyncio.Semaphore(self.config.concurrency)
-        self._finished = finished
-        self._requests: set[asyncio.Task[None]] = set()
-        self._isolation = Isolation()
-        reader = asyncio.create_task(self._read(source.chunks(pending), chunks), name="batch-reader")
-        writer = asyncio.create_task(self._write(sink, ckpt, errors_path, finished), name="batch-writer")
-        reader_done = False
-        try:
-            while not self._stop.is_set():
-                chunk = chunks.get_nowait() if not chunks.empty() else await self._unless_stopped(chunks.get())
-                if chunk is _STOPPED:
-                    break
-                if chunk is None:
-                    reader_done = True
-                    break
-                if not await self._acquire(self._chunk_slots):
-                    break
-                await self._dispatch(chunk)
-        finally:
-            # Requests in flight finish (each bounded by the request timeout); their chunks get written.
-            if self._requests:
-                await asyncio.gather(*self._requests, return_exceptions=True)
-            finished.put_nowait(None)
-            await writer
-            # The reader ends by itself once stopped; it is not cancelled, so that its thread never
-            # reads a file closed under it. Consuming unblocks its put until its closing None.
-            self._stop.set()
-            while not reader_done:
-                reader_done = await chunks.get() is None
-            await reader
-
-    async def _read(self, it: Iterator[Chunk], chunks: asyncio.Queue[Chunk | None]) -> None:
-        try:
-            while not self._stop.is_set():
-                chunk = await asyncio.to_thread(next, it, None)
-                if chunk is None:
-                    break
-                await chunks.put(chunk)
-        except Exception as exc:  # the reader task's top: any failure stops the job, with its reason
-            log.debug("reader failed", exc_info=True)
-            self._fail(BatchJobError(f"reading {self.config.input}: {exc}"))
-        await chunks.put(None)
-
-    async def _acquire(self, slots: asyncio.Semaphore) -> bool:
-        """Take a slot unless a stop is requested first (then hold none)."""
-        if self._stop.is_set():
-            return False
-        if not slots.locked():
-            await slots.acquire()  # free: returns without suspending
-            return True
-        acquired = await self._unless_stopped(slots.acquire())
-        if acquired is _STOPPED:
-            return False
-        if self._stop.is_set():
-            slots.release()
-            return False
-        return True
-
-    async def _unless_stopped(self, aw: Awaitable[T]) -> T | _Stopped:
-        """The awaitable's result, or ``_STOPPED`` (and it is cancelled) once a stop is requested."""
-        task = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self._stop.wait())
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        return _STOPPED
-
-    async def _dispatch(self, chunk: Chunk) -> None:
-        run = _ChunkRun(ChunkResult(chunk.start, chunk.stop, bad=dict(chunk.bad)))
-        assert self.progress is not None
-        self.progress.advance(len(chunk.bad), bad=len(chunk.bad))
-        if chunk.bad and self.config.fail_fast:
-            row = min(chunk.bad)
-            self._fail(BatchJobError(f"row {row}: {chunk.bad[row]}"))
-        for group, i, j in _slices(chunk.groups, self.batch_size):
-            if not await self._acquire(self._request_slots):
-                break
-            run.pending += 1
-            task = asyncio.create_task(self._send(run, group.rows[i:j], {k: v[i:j] for k, v in group.tensors.items()}))
-            self._requests.add(task)
-            task.add_done_callback(self._requests.discard)
-        else:
-            run.complete = not self._stop.is_set()
-        run.closed = True
-        if run.pending == 0:
-            self._settle(run)
-
-    def _settle(self, run: _ChunkRun) -> None:
-        """Called once per chunk, when its last request is done and no more will come."""
-        if run.complete and self._error is None:
-            self._finished.put_nowait(run)
-        else:
-            self._chunk_slots.release()  # cut short by a stop: repeated on resume
-
-    async def _send(self, run: _ChunkRun, rows: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
-        try:
-            await self._infer(run, rows, tensors)
-        except BatchJobError as exc:
-            run.complete = False
-            self._fail(exc)
-        except Exception as exc:  # a request task's top: never mark a chunk done that lacks rows
-            log.error("request for rows %d.. failed unexpectedly", int(rows[0]), exc_info=True)
-            run.complete = False
-            self._fail(BatchJobError(f"internal error: {exc!r}"))
-        finally:
-            self._request_slots.release()
-            run.pending -= 1
-            if run.closed and run.pending == 0:
-                self._settle(run)
-
-    async def _infer(self, run: _ChunkRun, rows: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
-        await self._isolation.enter_shared()
-        try:
-            outputs = await self.client.infer(tensors, self.out_specs, self.batched)
-        except RowsRejected:
-            outputs = None
-        finally:
-            self._isolation.leave_shared()
-        if outputs is None:
-            # Alone, so the server cannot mix these rows with other requests of ours.
-            async with self._isolation.exclusive():
-                await self._bisect(run, rows, tensors)
-            return
-        run.result.parts.append((rows, outputs))
-        assert self.progress is not None
-        self.progress.advance(len(rows))
-
-    async def _bisect(self, run: _ChunkRun, rows: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
-        """Send the rows; when the server rejects them, halve until the bad rows are alone."""
-        assert self.progress is not None
-        try:
-            outputs = await self.client.infer(tensors, self.out_specs, self.batched)
-        except RowsRejected as exc:
-            if len(rows) == 1:
-                row = int(rows[0])
-                run.result.bad[row] = str(exc)
-                self.progress.advance(1, bad=1)
-                if self.config.fail_fast:
-                    raise BatchJobError(f"row {row}: {exc}") from None
-                return
-            mid = len(rows) // 2
-            await self._bisect(run, rows[:mid], {k: v[:mid] for k, v in tensors.items()})
-            await self._bisect(run, rows[mid:], {k: v[mid:] for k, v in tensors.items()})
-            return
-        run.result.parts.append((rows, outputs))
-        self.progress.advance(len(rows))
-
-    async def _write(self, sink: Sink, ckpt: Checkpoint, errors_path: Path,
-                     finished: asyncio.Queue[_ChunkRun | None]) -> None:
-        while (run := await finished.get()) is not None:
-            try:
-                if self._error is None:
-                    extra = await asyncio.to_thread(sink.write, run.result)
-                    bad = {**run.result.bad, **extra}
-                    await asyncio.to_thread(commit_chunk, ckpt, run.result.start, run.result.stop, bad, errors_path)
-                    self._bad_rows += len(bad)  # counted once committed: exact even when interrupted
-            except (OSError, ValueError) as exc:
-                self._fail(BatchJobError(f"writing the output: {exc}"))
-            finally:
-                self._chunk_slots.release()
-
-
-def _slices(groups: Sequence[RowGroup], batch_size: int) -> Iterator[tuple[RowGroup, int, int]]:
-    for group in groups:
-        for i in range(0, len(group.rows), batch_size):
-            yield group, i, min(i + batch_size, len(group.rows))
-
 
 def _select_outputs(sig: ModelSignature, names: Sequence[str]) -> tuple[TensorSpec, ...]:
     if not names:
