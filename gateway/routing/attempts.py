@@ -8,14 +8,10 @@ the replica the router picks. Then, while the call lives:
   answered UNAVAILABLE, its connection broke, it dropped the model) is retried
   on another replica after a jittered backoff, within ``retry_limit``, the
   retry budget and the deadline (``gateway.routing.retry_budget``);
-* an attempt the worker failed with INTERNAL is a *suspect*: the failure may
-  be the worker's or the batch's. It counts against no one until one
-  confirming attempt on another replica decides: served there, the first
-  worker is charged (a failure that does not reproduce is the worker's); the
-  same failure there makes it the request's fault (``InvalidArgument``, with
-  the cause; no worker charged). With no other replica, or no budget for the
-  confirming attempt, the call answers the INTERNAL with its cause, and no
-  one is charged. Request faults (any other final error) never count;
+* an attempt the worker failed with INTERNAL is a *suspect*, charged to no
+  one until one confirming attempt on another replica tells whether the
+  failure is the worker's or the batch's (``gateway.routing.faults``).
+  Request faults (any other final error) never count;
 * an attempt silent past the model's hang threshold is reported to the
   outlier detector as a failure and a second attempt starts beside it on
   another replica; with hedging on, one also starts after the hedge delay
@@ -40,23 +36,19 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
+from gateway.routing.faults import SuspectFailures, Worker
 from gateway.routing.hedging import AttemptPolicy
-from protos.errors import DeadlineExceeded, InferGateError, InvalidArgument, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Unavailable
 
 log = logging.getLogger(__name__)
 
-_W = TypeVar("_W", bound="Worker")  # the router's WorkerState
+_W = TypeVar("_W", bound=Worker)  # the router's WorkerState
 _R = TypeVar("_R")  # a response
 
 # A hung attempt that found no free replica to go beside it looks again this often.
 _RECHECK_S = 0.05
-
-
-class Worker(Protocol):
-    @property
-    def address(self) -> str: ...
 
 
 class AttemptFailed(Exception):
@@ -124,8 +116,8 @@ class AttemptRace(Generic[_W, _R]):
         self._last_failed: _W | None = None
         self._last_error: InferGateError | None = None
         self._last_failover = False
-        # Suspect failures (INTERNAL) awaiting their confirming attempt: (worker, error).
-        self._suspects: list[tuple[_W, InferGateError]] = []
+        # Suspect failures (INTERNAL) awaiting their confirming attempt.
+        self._suspects: SuspectFailures[_W] = SuspectFailures(model, policy.outliers)
         # While the first attempt runs inline: it, the caller's task, its timer, and a winner.
         self._inline: _Attempt[_W] | None = None
         self._caller: asyncio.Task[object] | None = None
@@ -239,8 +231,8 @@ class AttemptRace(Generic[_W, _R]):
                                            f"{self._failures} failed attempts") from None
                 if not isinstance(error, AttemptFailed):
                     raise error
-                if error.suspect and len(self._suspects) > 1:
-                    raise self._judged()
+                if error.suspect and self._suspects.confirmed:
+                    raise self._suspects.verdict()
             # Attempts that hung are not waited on: with no other left, retry beside them.
             if all(a.hung for a in self._pending.values()):
                 await self._retry()
@@ -251,13 +243,13 @@ class AttemptRace(Generic[_W, _R]):
         worker, error = self._last_failed, self._last_error
         where = getattr(worker, "address", "?")
         if self._suspects and failures > policy.retry_limit:
-            raise self._suspects[-1][1]
+            raise self._suspects.cause
         if failures > policy.retry_limit:
             log.warning("model %s: giving up after %d attempts, last on %s: %s", model, failures, where, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request ({failures} attempts)")
         if not policy.budget.try_acquire(failover=self._last_failover):
             if self._suspects:  # no confirming attempt: the cause goes back, no one is charged
-                raise self._suspects[-1][1]
+                raise self._suspects.cause
             log.warning("model %s: retry budget spent (%d extra attempts in flight); not retrying after: %s",
                         model, policy.budget.counters().extra_inflight, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request; retries are "
@@ -274,7 +266,7 @@ class AttemptRace(Generic[_W, _R]):
             replica = await self._acquire(self._tried | {a.worker for a in self._pending.values()})
             if self._suspects and replica in self._tried:
                 # No other replica to confirm on: answer the failure with its cause, charge no one.
-                raise self._suspects[-1][1]
+                raise self._suspects.cause
             if self._deadline is not None and policy.clock.now() >= self._deadline:
                 raise DeadlineExceeded(f"deadline exceeded for model '{model}' after {failures} failed attempts")
         except BaseException:
@@ -316,7 +308,7 @@ class AttemptRace(Generic[_W, _R]):
         elif error is None:
             policy.outliers.succeeded(address, self._model, elapsed, attempt.trial)
             policy.latency.observe(self._model, elapsed)
-            self._charge_suspects(attempt.worker)
+            self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):
             if error.worker_fault:
                 policy.outliers.failed(address, str(error.error), attempt.trial)
@@ -326,30 +318,9 @@ class AttemptRace(Generic[_W, _R]):
             self._tried.add(attempt.worker)
             self._last_failed, self._last_error, self._last_failover = attempt.worker, error.error, error.failover
             if error.suspect:
-                self._suspects.append((attempt.worker, error.error))
+                self._suspects.add(attempt.worker, error.error)
         else:  # the request's own fault or its deadline: says nothing about the worker
             policy.outliers.abandoned(address, self._model, elapsed, attempt.trial)
-
-    def _charge_suspects(self, served_by: _W) -> None:
-        """Another replica served the batch: the suspect failures were their workers' own."""
-        suspects, self._suspects = self._suspects, []
-        for worker, error in suspects:
-            if worker is served_by:
-                continue
-            worker.failures += 1  # type: ignore[attr-defined]
-            self._policy.outliers.failed(worker.address, f"{error} (another replica served the batch)")
-
-    def _judged(self) -> InferGateError:
-        """Two replicas failed the batch: the same failure is the request's fault."""
-        (first, error), (second, again) = self._suspects[0], self._suspects[-1]
-        self._suspects = []
-        if type(error) is type(again) and error.message == again.message:
-            log.info("model %s: the batch failed the same way on %s and %s: the request's fault: %s",
-                     self._model, first.address, second.address, error)
-            return InvalidArgument(f"{error.message} (the same failure on 2 replicas: the request cannot run)")
-        log.warning("model %s: the batch failed differently on %s (%s) and %s (%s)",
-                    self._model, first.address, error, second.address, again)
-        return again
 
     def _next_wake(self) -> float | None:
         times = [t for a in self._pending.values() for t in (a.hedge_at, a.hang_at) if t is not None]

@@ -1,4 +1,4 @@
-"""Tests for whose fault a failed batch is (gateway/routing/attempts.py, router.py):
+"""Tests for whose fault a failed batch is (gateway/routing/faults.py, attempts.py, router.py):
 request faults never count against a worker; an INTERNAL failure is confirmed
 on one other replica before it counts against anyone. The cluster is real;
 its workers are in-process fakes.
