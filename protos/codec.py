@@ -71,6 +71,7 @@ _BY_KIND_SIZE: dict[tuple[str, int], str] = {
     (dt.kind, dt.itemsize): name for name, dt in DATATYPES.items() if dt.kind in "buif"
 }
 
+
 def _label(name: str | None, role: str) -> str:
     return f"{role} '{name}'" if name is not None else "tensor"
 
