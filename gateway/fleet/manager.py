@@ -36,6 +36,13 @@ PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementControl
 
 
 class Fleet:
+    """Membership, registration, DNS discovery and placement of one gateway.
+
+    ``token`` is the token registering workers must present ("" for none), read
+    by whoever builds the fleet (``gateway.security.setup.worker_token``);
+    ``placement`` makes the placement controller when a setup supplies its own
+    (several processes: ``gateway.multiproc.group.FollowerPlacement``)."""
+
     def __init__(self, config: GatewayConfig, cluster: Cluster, *, token: str = "",
                  placement: PlacementFactory | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config

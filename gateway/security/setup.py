@@ -28,6 +28,7 @@ from gateway.fleet.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
 from gateway.security.tls import grpc_channel_credentials, grpc_server_credentials, server_ssl_context
+from serverkit.listen import add_grpc_port
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,7 @@ class GatewaySecurity:
 
     def add_grpc_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address`` (TLS when configured); the bound port, 0 when binding failed."""
-        if self.grpc_credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, self.grpc_credentials)
+        return add_grpc_port(server, address, self.grpc_credentials)
 
 
 def worker_token(config: GatewayConfig) -> str:
