@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load_config, parse_bool
+from gateway.config import load_config, parse_bool
 from gateway.core import Gateway
 from gateway.fleet.drain import add_drain_routes
 from gateway.fleet.registry import add_registry_service
@@ -43,6 +43,7 @@ from gateway.observability.dashboard import add_dashboard_routes
 from gateway.observability.metrics import add_metrics_routes
 from gateway.observability.trace_settings import trace_config
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
+from gateway.settings import MODEL_CONTROL_MODES, ConfigError, GatewayConfig
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
 from serverkit.process import install_event_loop_policy, setup_logging, wait_for_signal, write_ready_file
@@ -115,7 +116,7 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
 
 def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode,
-            "cache_size": args.cache_size, "trace_config": args.trace_config}
+            "cache": {"size_bytes": args.cache_size}, "trace_config": args.trace_config}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -126,8 +127,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         grpc_port=args.grpc_port,
         workers=args.worker or None,
         worker_dns=args.worker_dns or None,
-        load_on_demand=args.load_on_demand,
-        batching_mode=args.batching_mode,
+        placement={"load_on_demand": args.load_on_demand},
+        batching={"mode": args.batching_mode},
         model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
         **triton_overrides(args),
         **security_overrides(args),

@@ -19,7 +19,6 @@ from gateway import __version__
 from gateway.batching.assembly import build_batch_request, split_batch_response
 from gateway.batching.batcher import Batcher, BatchPolicy
 from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled, fill_statistics
-from gateway.config import GatewayConfig
 from gateway.ensembles.plan import is_ensemble
 from gateway.ensembles.readiness import missing_step
 from gateway.ensembles.runner import Ensembles, StepRun
@@ -41,6 +40,7 @@ from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes, is_stateful
 from gateway.security.setup import worker_client_factory
+from gateway.settings import GatewayConfig
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, ModelNotFound, Unavailable
 
@@ -67,27 +67,27 @@ class Gateway:
         self.config = config
         self.cluster = cluster or Cluster(
             config.workers,
-            probe_interval_s=config.probe_interval_s,
-            failures_to_down=config.probe_failures_to_down,
-            probe_timeout_s=config.probe_timeout_s,
+            probe_interval_s=config.probe.interval_s,
+            failures_to_down=config.probe.failures_to_down,
+            probe_timeout_s=config.probe.timeout_s,
             model_hints=tuple(config.models),
             # The worker token and TLS credentials, when configured.
             client_factory=worker_client_factory(config),
         )
-        retry = config.retry_settings()
+        retry = config.retry
         self.router = router or Router(
             self.cluster,
-            max_inflight_per_replica=config.max_inflight_per_replica,
-            busy_inflight_per_replica=config.busy_inflight_per_replica,
-            retry_limit=config.retry_limit,
+            max_inflight_per_replica=config.batching.max_inflight_per_replica,
+            busy_inflight_per_replica=config.batching.busy_inflight_per_replica,
+            retry_limit=config.retry.limit,
             retry_backoff_s=retry.backoff_base_s,
             retry_backoff_max_s=retry.backoff_max_s,
             retry_budget=RetryBudget.from_settings(retry),
-            outliers=OutlierDetector(config.outlier_settings()),
-            hedging=config.hedge_settings(), per_model=config.models, row_costs=RowCosts(config.light_row_ms / 1000),
+            outliers=OutlierDetector(config.outlier),
+            hedging=config.hedge, per_model=config.models, row_costs=RowCosts(config.batching.light_row_ms / 1000),
         )
         # Gateway-wide bounds on admitted requests (requests and bytes in flight).
-        self.admission = Admission(config.admission_settings())
+        self.admission = Admission(config.admission)
         # Logical models split across workers (config `models.<name>.from/path`):
         # their batches run through the registry's plans instead of one routed call.
         self.parallel = ParallelModels(config, self.cluster, self.router)
@@ -99,7 +99,7 @@ class Gateway:
         # Stateful models (sequence_batching): each sequence pinned to the worker holding its state.
         self.sequences = SequenceRoutes(self.cluster, self.router)
         # Triton's response cache, for models whose config enables it (off at cache_size 0).
-        self.cache = ResponseCache(config.cache_size)
+        self.cache = ResponseCache(config.cache.size_bytes)
         # Ensembles (platform "ensemble"): each step runs as a request of its own through _infer.
         self.ensembles = Ensembles(self._infer)
         # End-to-end latency distribution per model, for /metrics and the dashboard.
@@ -185,9 +185,9 @@ class Gateway:
             policy = BatchPolicy.from_model_config(
                 config,
                 self.config.batching_settings(name),
-                default_mode=self.config.batching_mode,
+                default_mode=self.config.batching.mode,
                 # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
-                default_max_queue_size=self.config.max_queue_size,
+                default_max_queue_size=self.config.batching.max_queue_size,
                 # Triton servers run the config's dynamic batcher themselves.
                 backend_batches=info is not None and all(w.kind == "triton" for w in info.replicas),
             )

@@ -122,7 +122,7 @@ def add_drain_routes(app: web.Application, gateway: Gateway) -> None:
 
     async def drain(request: web.Request) -> web.Response:
         try:
-            timeout_s = float(request.query.get("timeout_s", gateway.config.drain_timeout_s))
+            timeout_s = float(request.query.get("timeout_s", gateway.config.placement.drain_timeout_s))
         except ValueError:
             return error_response(400, "timeout_s must be a number of seconds")
         force = request.query.get("force", "").lower() in ("1", "true", "yes")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.membership import Membership
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
 from gateway.security.setup import _worker_token
+from gateway.settings import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,10 @@ class Fleet:
         self.cluster = cluster
         self.membership = Membership(cluster, config.workers)
         kwargs = {"clock": clock} if clock is not None else {}
-        self.registry = Registry(self.membership, heartbeat_interval_s=config.heartbeat_interval_s,
-                                 misses_to_down=config.heartbeat_misses_to_down, token=_worker_token(config), **kwargs)
-        self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.dns_refresh_s)
+        membership = config.membership
+        self.registry = Registry(self.membership, heartbeat_interval_s=membership.heartbeat_interval_s,
+                                 misses_to_down=membership.heartbeat_misses_to_down, token=_worker_token(config), **kwargs)
+        self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.membership.dns_refresh_s)
                           if config.worker_dns else None)
         self.placement = PlacementController(config, cluster, self.registry, **kwargs)
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from tritonclient.grpc import service_pb2
 
-from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from gateway.observability.trace_settings import trace_config
+from gateway.settings import GatewayConfig
 from protos.errors import ModelNotFound, Unavailable
 
 if TYPE_CHECKING:

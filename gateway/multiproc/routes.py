@@ -158,7 +158,7 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
         return _json(await views.cluster_stats())
 
     async def drain(request: web.Request) -> web.Response:
-        timeout_s = _float(request, "timeout_s", views.gateway.config.drain_timeout_s)
+        timeout_s = _float(request, "timeout_s", views.gateway.config.placement.drain_timeout_s)
         force = request.query.get("force", "").lower() in ("1", "true", "yes")
         status, body = await views.drain(request.match_info["address"], timeout_s, force)
         if 400 <= status != 409:
@@ -238,12 +238,14 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json({})
 
     async def drain(r: web.Request) -> web.Response:
-        status, body = await views.drain(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s),
+        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        status, body = await views.drain(q(r, "address"), timeout_s,
                                          q(r, "force") == "true")
         return _json({"status": status, "body": body})
 
     async def drain_local(r: web.Request) -> web.Response:
-        return _json(await views.drain_local(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s)))
+        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        return _json(await views.drain_local(q(r, "address"), timeout_s))
 
     async def undrain(r: web.Request) -> web.Response:
         status, body = await views.undrain(q(r, "address"))
