@@ -62,8 +62,8 @@ async def measure(
     repo = Path(tempfile.mkdtemp(prefix="netsim-rejoin-")) / "models"
     build_repository(repo)
     config = repo.parent / "gateway.yaml"
-    config.write_text(f"probe_interval_s: {interval_s}\nprobe_timeout_s: {timeout_s}\nprobe_failures_to_down: 2\n"
-                      f"hang_min_s: 0.5\ndefault_timeout_s: {request_timeout_s}\n")
+    config.write_text(f"probe: {{interval_s: {interval_s}, timeout_s: {timeout_s}, failures_to_down: 2}}\n"
+                      f"hedge: {{hang_min_s: 0.5}}\ndefault_timeout_s: {request_timeout_s}\n")
     rows: list[dict[str, object]] = []
     with NetSim() as net:
         host = net.add_host("w0")

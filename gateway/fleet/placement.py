@@ -16,7 +16,7 @@ their idle TTL and their autoscaled replica counts. Models this gateway did
 not place (loaded at a worker's start, logical models' shards) are left
 alone, except that a drained worker's models are adopted so they can move.
 
-The controller runs one task: a round every ``placement_interval_s``, after
+The controller runs one task: a round every ``placement.interval_s``, after
 every cluster change and whenever a request or a drain asks for one. A
 round plans, unloads what is no longer wanted, loads the new replicas, and
 only then unloads replicas that moved (make before break). All changes to

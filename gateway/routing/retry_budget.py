@@ -6,7 +6,7 @@ call that hangs) needs a token, and the tokens out at once are bounded by a
 share of the routed calls in flight (``budget_percent``, 20 by default) or a
 small floor (``min_concurrency``) when few calls run. When every replica
 fails, the first attempts fail and at most that many retries follow: the
-load on the cluster grows by a bounded fraction, not by ``retry_limit``
+load on the cluster grows by a bounded fraction, not by ``retry.limit``
 times. A call denied a token gives up with its last error.
 
 :class:`Backoff` spaces retries: full jitter, a random wait in

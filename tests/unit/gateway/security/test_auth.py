@@ -264,7 +264,8 @@ def test_one_key_cannot_be_both_api_and_admin() -> None:
 def test_keys_from_files_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "keys").write_text(f"{FULL}\n")
     (tmp_path / "admin").write_text(f"{ADMIN}\n")
-    (tmp_path / "gw.yaml").write_text("api_key_file: keys\nadmin_key_file: admin\napi_keys_env: from-yaml-0123456789\n")
+    (tmp_path / "gw.yaml").write_text("security:\n  api_key_file: keys\n  admin_key_file: admin\n"
+                                      "api_keys_env: from-yaml-0123456789\n")
     monkeypatch.setenv("INFERGATE_API_KEYS", f"{ONLY} mlp ; {LIMITED} rate=1/s")
     config = load_config(tmp_path / "gw.yaml")
     # Paths in the file are relative to it; secrets come from the environment only.
