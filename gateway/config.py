@@ -196,8 +196,9 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             given[key] = {k: v for k, v in value.items() if v is not None}
         else:
             given[key] = value
-    for key in settings.take(given):
-        raise ConfigError(f"unknown config key {key!r}")
+    unknown = settings.take(given)
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}")
     for old, new in settings.deprecated.items():
         log.warning("config key %r is deprecated: write %s", old, new)
 

@@ -79,7 +79,7 @@ class Gateway:
             self.cluster,
             max_inflight_per_replica=config.batching.max_inflight_per_replica,
             busy_inflight_per_replica=config.batching.busy_inflight_per_replica,
-            retry_limit=config.retry.limit,
+            retry_limit=retry.limit,
             retry_backoff_s=retry.backoff_base_s,
             retry_backoff_max_s=retry.backoff_max_s,
             retry_budget=RetryBudget.from_settings(retry),
@@ -98,7 +98,7 @@ class Gateway:
         self.stats = GatewayStats()
         # Stateful models (sequence_batching): each sequence pinned to the worker holding its state.
         self.sequences = SequenceRoutes(self.cluster, self.router)
-        # Triton's response cache, for models whose config enables it (off at cache_size 0).
+        # Triton's response cache, for models whose config enables it (off at cache.size_bytes 0).
         self.cache = ResponseCache(config.cache.size_bytes)
         # Ensembles (platform "ensemble"): each step runs as a request of its own through _infer.
         self.ensembles = Ensembles(self._infer)
