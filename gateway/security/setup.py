@@ -116,8 +116,9 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
     token = _worker_token(config)
     credentials = None
     if config.security.worker_tls_ca or config.security.worker_tls_cert:
-        tls = config.security
-        credentials = grpc_channel_credentials(tls.worker_tls_ca, tls.worker_tls_cert, tls.worker_tls_key)
+        security = config.security
+        credentials = grpc_channel_credentials(security.worker_tls_ca, security.worker_tls_cert,
+                                               security.worker_tls_key)
 
     def make(spec: WorkerSpec) -> WorkerClient:
         headers: dict[str, Any] = dict(spec.headers)

@@ -1,4 +1,4 @@
-"""``probe_timeout_s``: how long one probe of a worker may take before it counts
+"""``probe.timeout_s``: how long one probe of a worker may take before it counts
 as failed. A worker that is alive but unreachable (a cut link: no reset, no
 refusal) is found only by this timeout, so it must be tunable."""
 
