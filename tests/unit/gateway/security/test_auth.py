@@ -301,7 +301,7 @@ def test_unreadable_or_empty_key_files_stop_the_start(tmp_path: Path) -> None:
 @pytest.mark.parametrize("given", [{"tls_cert": "c.pem"}, {"tls_key": "k.pem"}, {"worker_tls_key": "k.pem"}])
 def test_certificate_and_key_go_together(given: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="go together"):
-        load_config(None, **given)
+        load_config(None, security=given)
 
 
 def test_worker_clients_carry_the_token_to_infergate_workers_only(tmp_path: Path) -> None:
