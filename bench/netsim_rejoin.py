@@ -62,8 +62,8 @@ async def measure(
     repo = Path(tempfile.mkdtemp(prefix="netsim-rejoin-")) / "models"
     build_repository(repo)
     config = repo.parent / "gateway.yaml"
-    config.write_text(f"probe_interval_s: {interval_s}\nprobe_timeout_s: {timeout_s}\nprobe_failures_to_down: 2\n"
-                      f"hang_min_s: 0.5\ndefault_timeout_s: {request_timeout_s}\n")
+    config.write_text(f"probe: {{interval_s: {interval_s}, timeout_s: {timeout_s}, failures_to_down: 2}}\n"
+                      f"hedge: {{hang_min_s: 0.5}}\ndefault_timeout_s: {request_timeout_s}\n")
     rows: list[dict[str, object]] = []
     with NetSim() as net:
         host = net.add_host("w0")
@@ -108,8 +108,8 @@ async def _ok_grew(load: SteadyLoad, before: int) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuts", default="5,30,60", help="cut lengths, seconds, comma-separated")
-    parser.add_argument("--probe-interval", type=float, default=2.0, help="the gateway's probe_interval_s")
-    parser.add_argument("--probe-timeout", type=float, default=5.0, help="the gateway's probe_timeout_s")
+    parser.add_argument("--probe-interval", type=float, default=2.0, help="the gateway's probe.interval_s")
+    parser.add_argument("--probe-timeout", type=float, default=5.0, help="the gateway's probe.timeout_s")
     parser.add_argument("--request-timeout", type=float, default=5.0,
                         help="each request's deadline (the load's clients and the gateway's default), seconds")
     parser.add_argument("--wait", type=float, default=180.0, help="give up on a rejoin after this long, seconds")

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.config import GatewayConfig, WorkerSpec
 from gateway.core import Gateway
+from gateway.settings import GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, Tensor
 from gateway.up import LocalWorker
 

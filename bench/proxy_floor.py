@@ -93,7 +93,7 @@ def measure(rounds: int, clients: list[int]) -> dict[tuple[str, int], list[tuple
             targets = {
                 "worker": worker,
                 "proxy": procs.start("proxy", ["--serve-proxy", upstream], module="bench.proxy_floor"),
-                "gateway": ctx.start_gateway(procs, [upstream], {"batching_mode": "adaptive"}, [MODEL]),
+                "gateway": ctx.start_gateway(procs, [upstream], {"batching": {"mode": "adaptive"}}, [MODEL]),
                 "echo": procs.start("echo", ["--like", upstream, "--model", MODEL], module="loadtest.echo_server"),
             }
             for r in range(rounds):

@@ -78,7 +78,7 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="transfer-"))
     config = workdir / "gateway.yaml"
-    config.write_text(f"max_request_bytes: {1024 * MIB}\nprobe_interval_s: 0.5\ndefault_timeout_s: 120\n")
+    config.write_text(f"max_request_bytes: {1024 * MIB}\nprobe:\n  interval_s: 0.5\ndefault_timeout_s: 120\n")
     worker = start_worker(repository(workdir / "models"), "--backend", "sim", "--sim-latency-ms", "0")
     gateway = start(["gateway", "--worker", worker_url(worker), "--http-port", "0", "--grpc-port", "0",
                      "--config", str(config), "--log-level", "WARNING"])

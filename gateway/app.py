@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 
 from gateway.composition import compose
-from gateway.config import MODEL_CONTROL_MODES, ConfigError, GatewayConfig, load_config, parse_bool
+from gateway.config import load_config, parse_bool
 from gateway.core import Gateway
 from gateway.fleet.drain import LocalDrains
 from gateway.fleet.registry import add_registry_service
@@ -43,6 +43,7 @@ from gateway.observability.trace_settings import trace_config
 from gateway.requests.cuda_ipc import probe_cuda
 from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
+from gateway.settings import MODEL_CONTROL_MODES, ConfigError, GatewayConfig
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
 from serverkit.listen import cannot_listen
@@ -73,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every address NAME resolves to is a worker (re-resolved; e.g. a Kubernetes headless service)",
     )
     parser.add_argument("--load-on-demand", action="store_true", default=None,
-                        help="load a model on a worker when its first request comes (see README: operating a fleet)")
-    parser.add_argument("--config", default=None, help="YAML config file (see README: configuration)")
+                        help="load a model on a worker when its first request comes (see docs/fleets-and-operations.md)")
+    parser.add_argument("--config", default=None, help="YAML config file (see docs/configuration.md)")
     parser.add_argument("--model-repository", default=None,
                         help="the workers' model repository, read only to split logical models declared with `from:`")
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None,
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="gateway processes sharing the HTTP and gRPC ports (default 1; 0: one per core); "
-                             "see README: several gateway processes")
+                             "see docs/fleets-and-operations.md")
     # Internal: how the parent of several processes starts each one.
     parser.add_argument("--process-spec", default=None, help=argparse.SUPPRESS)
     add_triton_arguments(parser)
@@ -111,12 +112,12 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-config", action="append", default=None, metavar="[MODE,]SETTING=VALUE",
                         help="Triton's trace settings (repeatable): level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, "
                              "mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, "
-                             "opentelemetry,url=http://HOST:4318/v1/traces (see README: tracing)")
+                             "opentelemetry,url=http://HOST:4318/v1/traces (see docs/fleets-and-operations.md#tracing)")
 
 
 def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode,
-            "cache_size": args.cache_size, "trace_config": args.trace_config}
+            "cache": {"size_bytes": args.cache_size}, "trace_config": args.trace_config}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -127,8 +128,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         grpc_port=args.grpc_port,
         workers=args.worker or None,
         worker_dns=args.worker_dns or None,
-        load_on_demand=args.load_on_demand,
-        batching_mode=args.batching_mode,
+        placement={"load_on_demand": args.load_on_demand},
+        batching={"mode": args.batching_mode},
         model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
         **triton_overrides(args),
         **security_overrides(args),
@@ -229,7 +230,7 @@ async def start_gateway(
     if group is None:
         add_metrics_routes(app, gateway)
         devices = add_cluster_routes(app, gateway, worker_metrics_urls=worker_metrics_urls)
-        add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.drain_timeout_s)
+        add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.placement.drain_timeout_s)
     else:
         assert composed.replicator is not None
         views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls)

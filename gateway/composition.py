@@ -29,7 +29,6 @@ from tritonclient.grpc import model_config_pb2
 from gateway.batching.policy import BatchPolicy
 from gateway.batching.registry import Batchers, PolicyFor
 from gateway.caching.response_cache import ResponseCache
-from gateway.config import GatewayConfig
 from gateway.core import Gateway, GatewayParts, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster
@@ -54,6 +53,7 @@ from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
 from gateway.security.setup import worker_client_factory, worker_token
+from gateway.settings import GatewayConfig
 from gateway.types import InferRequest, InferResponse
 
 # (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
@@ -125,7 +125,7 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         config=config,
         cluster=cluster,
         router=router,
-        admission=Admission(config.admission_settings()),
+        admission=Admission(config.admission),
         # Logical models split across workers (config `models.<name>.from/path`).
         parallel=ParallelModels(config, cluster, router),
         fleet=Fleet(config, cluster, token=worker_token(config), placement=seams.placement),
@@ -133,7 +133,7 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         stats=GatewayStats(),
         latency=LatencyHistograms(),
         sequences=SequenceRoutes(cluster, router),
-        cache=ResponseCache(config.cache_size),
+        cache=ResponseCache(config.cache.size_bytes),
         ensembles=Ensembles(run_step),
         # Label files of the classification extension, read from the repository the gateway knows.
         labels=LabelFiles(config.model_repository),
@@ -148,9 +148,9 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
 def build_cluster(config: GatewayConfig) -> Cluster:
     return Cluster(
         config.workers,
-        probe_interval_s=config.probe_interval_s,
-        failures_to_down=config.probe_failures_to_down,
-        probe_timeout_s=config.probe_timeout_s,
+        probe_interval_s=config.probe.interval_s,
+        failures_to_down=config.probe.failures_to_down,
+        probe_timeout_s=config.probe.timeout_s,
         model_hints=tuple(config.models),
         # The worker token and TLS credentials, when configured.
         client_factory=worker_client_factory(config),
@@ -158,17 +158,17 @@ def build_cluster(config: GatewayConfig) -> Cluster:
 
 
 def build_router(config: GatewayConfig, cluster: Cluster) -> Router:
-    retry = config.retry_settings()
+    retry = config.retry
     return Router(
         cluster,
-        max_inflight_per_replica=config.max_inflight_per_replica,
-        busy_inflight_per_replica=config.busy_inflight_per_replica,
-        retry_limit=config.retry_limit,
+        max_inflight_per_replica=config.batching.max_inflight_per_replica,
+        busy_inflight_per_replica=config.batching.busy_inflight_per_replica,
+        retry_limit=config.retry.limit,
         retry_backoff_s=retry.backoff_base_s,
         retry_backoff_max_s=retry.backoff_max_s,
         retry_budget=RetryBudget.from_settings(retry),
-        outliers=OutlierDetector(config.outlier_settings()),
-        hedging=config.hedge_settings(), per_model=config.models, row_costs=RowCosts(config.light_row_ms / 1000),
+        outliers=OutlierDetector(config.outlier),
+        hedging=config.hedge, per_model=config.models, row_costs=RowCosts(config.batching.light_row_ms / 1000),
     )
 
 
@@ -179,9 +179,9 @@ def batch_policy_for(config: GatewayConfig) -> PolicyFor:
         return BatchPolicy.from_model_config(
             model_config,
             config.batching_settings(name),
-            default_mode=config.batching_mode,
+            default_mode=config.batching.mode,
             # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
-            default_max_queue_size=config.max_queue_size,
+            default_max_queue_size=config.batching.max_queue_size,
             # Triton servers run the config's dynamic batcher themselves.
             backend_batches=backend_batches,
         )

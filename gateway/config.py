@@ -1,242 +1,92 @@
 """The gateway's configuration: one loader, validated once, passed down.
 
-Sources, later wins: built-in defaults, the YAML file (``--config``), the
-command-line flags. This is the only module that reads the environment
-(``INFERGATE_*`` variables name a config file or single keys for containers).
+Sources, later wins: built-in defaults, the YAML file (``--config``, or the
+file ``INFERGATE_CONFIG`` names), the command-line flags (keyword overrides
+of :func:`load_config`). This is the only module that reads the environment:
+besides ``INFERGATE_CONFIG``, only the secrets (``INFERGATE_API_KEYS``,
+``INFERGATE_ADMIN_KEYS``, ``INFERGATE_WORKER_TOKEN``).
+
+The settings are grouped per concern (``retry.budget_percent``; the records
+live in gateway/settings.py). The flat keys of earlier releases
+(``retry_budget_percent``) are still read, each with one warning naming its
+new key; one source giving a setting in both forms is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
-from gateway.limits import AdmissionSettings
-from gateway.routing.hedging import HedgeSettings
-from gateway.routing.outlier import OutlierSettings
-from gateway.routing.retry_budget import RetrySettings
+from gateway.settings import (
+    BATCHING_MODES,
+    GROUPS,
+    MODEL_CONTROL_MODES,
+    PARALLEL_KEYS,
+    PLACEMENT_KEYS,
+    WORKER_CALLS,
+    WORKER_KINDS,
+    ConfigError,
+    GatewayConfig,
+    WorkerSpec,
+    check_address,
+    config_keys,
+)
 
-WORKER_KINDS = ("infergate", "triton")
-BATCHING_MODES = ("adaptive", "fixed", "off")
-MODEL_CONTROL_MODES = ("none", "explicit")
-# Keys of a `models.<name>` entry that declare a logical (split) model rather
-# than batching settings; see gateway/parallel/serving.py.
-PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
-                 "input_shapes", "input_values", "collectives")
-# `models.<name>` keys for placement (replicas, ceiling, idle TTL, memory: fleet/placement.py) and in-flight bounds.
-PLACEMENT_KEYS = ("replicas", "max_replicas", "idle_ttl_s", "memory_bytes", "busy_inflight_per_replica",
-                  "max_inflight_per_replica")
+__all__ = ["BATCHING_MODES", "DEPRECATED_KEYS", "MODEL_CONTROL_MODES", "PARALLEL_KEYS", "PLACEMENT_KEYS",
+           "WORKER_KINDS", "ConfigError", "GatewayConfig", "WorkerSpec", "load_config", "parse_bool"]
 
+log = logging.getLogger(__name__)
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """One worker server: ``HOST:PORT`` (infergate) or ``triton://HOST:PORT``."""
-
-    address: str
-    kind: str = "infergate"
-    # Sent as gRPC metadata on statistics and repository calls (Triton's
-    # restricted-protocol tokens, e.g. triton-grpc-protocol-triton-access-token).
-    headers: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> "WorkerSpec":
-        text = text.strip()
-        kind = "infergate"
-        for prefix in ("triton://", "grpc://", "infergate://"):
-            if text.startswith(prefix):
-                kind = "triton" if prefix == "triton://" else "infergate"
-                text = text[len(prefix):]
-        _check_address(text)
-        return cls(address=text, kind=kind)
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | str) -> "WorkerSpec":
-        if isinstance(data, str):
-            return cls.parse(data)
-        if "address" not in data:
-            raise ConfigError(f"workers entry {dict(data)!r} needs an 'address'")
-        spec = cls.parse(str(data["address"]))
-        kind = str(data.get("kind", spec.kind))
-        if kind not in WORKER_KINDS:
-            raise ConfigError(f"workers entry {spec.address}: kind must be one of {WORKER_KINDS}, got {kind!r}")
-        headers = data.get("headers") or {}
-        if not isinstance(headers, Mapping):
-            raise ConfigError(f"workers entry {spec.address}: headers must be a mapping")
-        return cls(address=spec.address, kind=kind, headers=tuple((str(k).lower(), str(v)) for k, v in headers.items()))
-
-
-def _check_address(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"worker address must be HOST:PORT, got {address!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    workers: tuple[WorkerSpec, ...] = ()
-    # Batching defaults for every model; per-model keys in `models` win.
-    batching_mode: str = "adaptive"
-    max_queue_size: int = 1024
-    # Batches in flight per replica (0 = derived): busy = the replica's execution slots for the
-    # model (adaptive batching sends at once only below it), max = busy + 1; a batching model
-    # under light_row_ms a row is busy at 1, one at or over it at max (gateway/routing/light.py).
-    max_inflight_per_replica: int = 0
-    busy_inflight_per_replica: int = 0
-    light_row_ms: float = 2.0
-    # "unary" or "stream": see gateway.fleet.worker_stream.
-    worker_calls: str = "unary"
-    probe_interval_s: float = 2.0
-    probe_failures_to_down: int = 2
-    # One probe's bound: a worker alive but unreachable (a cut link) is found only
-    # by it, after probe_failures_to_down of them.
-    probe_timeout_s: float = 5.0
-    default_timeout_s: float = 60.0
-    retry_limit: int = 3
-    max_request_bytes: int = 256 * 2**20
-    shutdown_grace_s: float = 10.0
-    # Triton's --strict-readiness: ready only while every model the gateway is
-    # asked to serve is servable (False: ready whenever it is up).
-    strict_readiness: bool = True
-    # Triton's --model-control-mode: "explicit" lets clients load and unload
-    # models through the gateway; "none" refuses them (placement still loads).
-    model_control_mode: str = "explicit"
-    # The response cache's bound in bytes (0 = off): models whose config.pbtxt
-    # says `response_cache { enable: true }` are answered from it (gateway/caching/).
-    cache_size: int = 0
-    # Reliability (gateway/routing/outlier.py, retry_budget.py, hedging.py, limits.py).
-    # Outlier ejection: N consecutive failures or a latency outlier ejects a
-    # worker for base * (its ejection count), at most max, and never more
-    # than max_ejection_percent of the workers at once.
-    outlier_consecutive_failures: int = 5
-    outlier_base_ejection_s: float = 30.0
-    outlier_max_ejection_s: float = 300.0
-    outlier_max_ejection_percent: float = 50.0
-    outlier_latency_factor: float = 3.0
-    outlier_latency_min_excess_s: float = 0.05
-    # Retries: extra attempts in flight <= max(min_concurrency, percent of calls
-    # in flight); full-jitter exponential backoff from base to max.
-    retry_budget_percent: float = 20.0
-    retry_min_concurrency: int = 3
-    retry_backoff_base_s: float = 0.025
-    retry_backoff_max_s: float = 0.25
-    # Hedging (off at 0): a second attempt once one runs past this percentile
-    # of the model's latency. Hang detection: an attempt silent past
-    # max(hang_min_s, hang_multiplier * p99) counts as failed and gets a second.
-    hedge_percentile: float = 0.0
-    hedge_min_delay_s: float = 0.005
-    hang_multiplier: float = 8.0
-    hang_min_s: float = 1.0
-    # Gateway-wide bounds on admitted requests (0 = none); the last
-    # priority_reserve_percent of the request bound is for priority 1.
-    max_inflight_requests: int = 8192
-    max_inflight_bytes: int = 2 * 2**30
-    priority_reserve_percent: float = 10.0
-    # The workers' repository, read only to split the logical models declared with `from:` (`up` fills it in).
-    model_repository: str = ""
-    # Fleet (gateway/fleet/manager.py). Membership beyond `workers`: DNS names whose
-    # every address is a worker (`[triton://]NAME:PORT`, re-resolved every
-    # dns_refresh_s) and workers that register (`infergate worker --gateway`),
-    # down after heartbeat_misses_to_down missed heartbeats.
-    worker_dns: tuple[str, ...] = ()
-    dns_refresh_s: float = 10.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_misses_to_down: int = 3
-    # Placement and model lifecycle (gateway/fleet/placement.py, gateway/fleet/demand.py):
-    # models with `replicas` are placed at start; others, with load_on_demand,
-    # on their first request. Idle past model_idle_ttl_s (0 = never): unloaded.
-    # A worker holds models up to worker_memory_cap_bytes (0 = no cap) or
-    # worker_memory_fraction of its reported device memory; the least recently
-    # used go first. Autoscaling (off while autoscale_up_rate is 0): a replica
-    # more above autoscale_up_rate inferences/s per replica, one fewer below
-    # autoscale_down_rate (default half of it) per remaining replica.
-    placement_interval_s: float = 2.0
-    load_on_demand: bool = False
-    model_idle_ttl_s: float = 0.0
-    worker_memory_cap_bytes: int = 0
-    worker_memory_fraction: float = 0.8
-    default_model_memory_bytes: int = 0
-    autoscale_up_rate: float = 0.0
-    autoscale_down_rate: float = 0.0
-    autoscale_max_replicas: int = 0
-    autoscale_cooldown_s: float = 30.0
-    drain_timeout_s: float = 120.0
-    # Security (gateway/security/setup.py); empty = off. Files: API keys (lines
-    # `KEY [MODELS] [rate=N/s] ...`, gateway/security/api_keys.py), admin keys, the
-    # frontends' TLS certificate and key, the shared worker token, and the
-    # CA / client certificate and key for TLS to the workers.
-    api_key_file: str = ""
-    admin_key_file: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    worker_token_file: str = ""
-    worker_tls_ca: str = ""
-    worker_tls_cert: str = ""
-    worker_tls_key: str = ""
-    # Secrets given in the environment (INFERGATE_API_KEYS, INFERGATE_ADMIN_KEYS,
-    # INFERGATE_WORKER_TOKEN): never from the YAML file, never in a repr.
-    api_keys_env: str = field(default="", repr=False)
-    admin_keys_env: str = field(default="", repr=False)
-    worker_token: str = field(default="", repr=False)
-    # model name -> settings: batching overrides (BatchPolicy keys) and, for
-    # logical models, parallel layouts (from, tensor_parallel, ...).
-    models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Everything else in the file (e.g. trace_config: observability/trace_settings.py), for the parts that read it.
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def outlier_settings(self) -> OutlierSettings:
-        return OutlierSettings(
-            consecutive_failures=self.outlier_consecutive_failures,
-            base_ejection_s=self.outlier_base_ejection_s,
-            max_ejection_s=self.outlier_max_ejection_s,
-            max_ejection_percent=self.outlier_max_ejection_percent,
-            latency_factor=self.outlier_latency_factor,
-            latency_min_excess_s=self.outlier_latency_min_excess_s,
-        )
-
-    def retry_settings(self) -> RetrySettings:
-        return RetrySettings(self.retry_budget_percent, self.retry_min_concurrency,
-                             self.retry_backoff_base_s, self.retry_backoff_max_s)
-
-    def hedge_settings(self) -> HedgeSettings:
-        return HedgeSettings(hedge_percentile=self.hedge_percentile, hedge_min_delay_s=self.hedge_min_delay_s,
-                             hang_multiplier=self.hang_multiplier, hang_min_s=self.hang_min_s)
-
-    def admission_settings(self) -> AdmissionSettings:
-        return AdmissionSettings(self.max_inflight_requests, self.max_inflight_bytes, self.priority_reserve_percent)
-
-    def model_settings(self, name: str) -> Mapping[str, Any]:
-        return self.models.get(name, {})
-
-    def batching_settings(self, name: str) -> Mapping[str, Any]:
-        """The model's settings without the keys that declare a logical model."""
-        return {k: v for k, v in self.models.get(name, {}).items() if k not in PARALLEL_KEYS and k not in PLACEMENT_KEYS}
-
-    def logical_models(self) -> dict[str, Mapping[str, Any]]:
-        """Logical models (split across workers): entries with a `from:` or `path:` key."""
-        return {name: s for name, s in self.models.items() if "from" in s or "path" in s}
-
-
-# Read only from the environment (see _secrets_from_env), never from the file or flags.
-_SECRET_KEYS = ("api_keys_env", "admin_keys_env", "worker_token")
+# The flat keys of earlier releases -> (group, key): read still, with a warning.
+DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
+    "batching_mode": ("batching", "mode"),
+    "max_queue_size": ("batching", "max_queue_size"),
+    "max_inflight_per_replica": ("batching", "max_inflight_per_replica"),
+    "busy_inflight_per_replica": ("batching", "busy_inflight_per_replica"),
+    "light_row_ms": ("batching", "light_row_ms"),
+    "cache_size": ("cache", "size_bytes"),
+    "probe_interval_s": ("probe", "interval_s"),
+    "probe_failures_to_down": ("probe", "failures_to_down"),
+    "probe_timeout_s": ("probe", "timeout_s"),
+    "retry_limit": ("retry", "limit"),
+    "retry_budget_percent": ("retry", "budget_percent"),
+    "retry_min_concurrency": ("retry", "min_concurrency"),
+    "retry_backoff_base_s": ("retry", "backoff_base_s"),
+    "retry_backoff_max_s": ("retry", "backoff_max_s"),
+    **{f"outlier_{k}": ("outlier", k) for k in ("consecutive_failures", "base_ejection_s", "max_ejection_s",
+                                                "max_ejection_percent", "latency_factor", "latency_min_excess_s")},
+    "hedge_percentile": ("hedge", "percentile"),
+    "hedge_min_delay_s": ("hedge", "min_delay_s"),
+    "hang_multiplier": ("hedge", "hang_multiplier"),
+    "hang_min_s": ("hedge", "hang_min_s"),
+    **{k: ("admission", k) for k in ("max_inflight_requests", "max_inflight_bytes", "priority_reserve_percent")},
+    **{k: ("membership", k) for k in ("dns_refresh_s", "heartbeat_interval_s", "heartbeat_misses_to_down")},
+    "placement_interval_s": ("placement", "interval_s"),
+    "load_on_demand": ("placement", "load_on_demand"),
+    "model_idle_ttl_s": ("placement", "idle_ttl_s"),
+    **{k: ("placement", k) for k in ("worker_memory_cap_bytes", "worker_memory_fraction",
+                                     "default_model_memory_bytes", "drain_timeout_s")},
+    **{f"autoscale_{k}": ("autoscale", k) for k in ("up_rate", "down_rate", "max_replicas", "cooldown_s")},
+    **{k: ("security", k) for k in ("api_key_file", "admin_key_file", "tls_cert", "tls_key", "worker_token_file",
+                                    "worker_tls_ca", "worker_tls_cert", "worker_tls_key")},
+}
+# Top-level scalar keys and their defaults (the groups, lists and mappings are read apart).
+_SCALARS = {f.name: f.default for f in fields(GatewayConfig)
+            if f.name not in ("workers", "models", "extra", "worker_dns", *GROUPS)}
+_GROUP_DEFAULTS = {name: group() for name, group in GROUPS.items()}
+_GROUP_KEYS = {name: config_keys(group) for name, group in GROUPS.items()}
 # File paths: relative ones in the YAML file are relative to the file.
 _SECURITY_PATH_KEYS = ("api_key_file", "admin_key_file", "tls_cert", "tls_key", "worker_token_file",
                        "worker_tls_ca", "worker_tls_cert", "worker_tls_key")
-_SCALARS = {f.name: f for f in fields(GatewayConfig)
-            if f.name not in ("workers", "models", "extra", "worker_dns", *_SECRET_KEYS)}
 
 
-def _coerce(key: str, value: Any) -> Any:
-    default = getattr(GatewayConfig(), key)
+def _coerce(key: str, default: Any, value: Any) -> Any:
     try:
         if isinstance(default, bool):
             return parse_bool(value)
@@ -261,11 +111,55 @@ def parse_bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+class _Settings:
+    """The scalar and group values gathered from the sources, later ones over earlier."""
+
+    def __init__(self) -> None:
+        self.top: dict[str, Any] = {}
+        self.groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        self.deprecated: dict[str, str] = {}  # old key -> new key, in the order met
+
+    def take(self, source: Mapping[str, Any]) -> list[str]:
+        """Read one source's settings; returns its keys that are none of them."""
+        nested: set[tuple[str, str]] = set()
+        rest: list[str] = []
+        for key, value in source.items():
+            if key in _SCALARS:
+                self.top[key] = _coerce(key, _SCALARS[key], value)
+            elif key in GROUPS:
+                nested.update(self._take_group(key, value))
+            elif key not in DEPRECATED_KEYS:
+                rest.append(key)
+        for key, value in source.items():
+            if key not in DEPRECATED_KEYS:
+                continue
+            group, name = DEPRECATED_KEYS[key]
+            self.deprecated.setdefault(key, f"{group}.{name}")
+            if (group, name) in nested:
+                raise ConfigError(f"config key {key!r} and {group}.{name} are the same setting: "
+                                  f"keep only {group}.{name}")
+            self.groups[group][name] = _coerce(f"{group}.{name}", getattr(_GROUP_DEFAULTS[group], name), value)
+        return rest
+
+    def _take_group(self, group: str, values: Any) -> set[tuple[str, str]]:
+        if values is None:
+            return set()
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config key {group!r} must be a mapping of settings ({', '.join(_GROUP_KEYS[group])})")
+        for key, value in values.items():
+            if key not in _GROUP_KEYS[group]:
+                raise ConfigError(f"unknown config key '{group}.{key}' (known: {', '.join(_GROUP_KEYS[group])})")
+            self.groups[group][key] = _coerce(f"{group}.{key}", getattr(_GROUP_DEFAULTS[group], key), value)
+        return {(group, key) for key in values}
+
+
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewayConfig:
     """Build the config from the YAML file at ``path`` and keyword overrides.
 
-    Overrides whose value is None are ignored (unset command-line flags);
-    ``workers`` overrides are appended to the file's workers.
+    Overrides are top-level keys or groups (``retry={"limit": 5}``, merged
+    over the file's group); those whose value is None are ignored (unset
+    command-line flags), in a group too; ``workers`` overrides are appended
+    to the file's workers.
     """
     if path is None:
         path = os.environ.get("INFERGATE_CONFIG") or None
@@ -281,28 +175,14 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded
 
-    values: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in _SCALARS:
-            values[key] = _coerce(key, value)
-        elif key not in ("workers", "models", "worker_dns"):
-            extra[key] = value
-
+    settings = _Settings()
+    extra = {key: data[key] for key in settings.take(data) if key not in ("workers", "models", "worker_dns")}
     workers = [WorkerSpec.from_mapping(w) for w in (data.get("workers") or [])]
     dns_raw = data.get("worker_dns") or []
     worker_dns = [str(n) for n in ([dns_raw] if isinstance(dns_raw, str) else dns_raw)]
-    models_raw = data.get("models") or {}
-    if not isinstance(models_raw, Mapping):
-        raise ConfigError("config key 'models' must map model names to settings")
-    models: dict[str, Mapping[str, Any]] = {}
-    for name, settings in models_raw.items():
-        if settings is None:
-            settings = {}
-        if not isinstance(settings, Mapping):
-            raise ConfigError(f"models.{name} must be a mapping of settings")
-        models[str(name)] = dict(settings)
+    models = _models(data.get("models") or {})
 
+    given: dict[str, Any] = {}
     for key, value in overrides.items():
         if value is None:
             continue
@@ -310,28 +190,51 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             workers.extend(w if isinstance(w, WorkerSpec) else WorkerSpec.parse(str(w)) for w in value)
         elif key == "worker_dns":
             worker_dns.extend(str(n) for n in value)
-        elif key in _SCALARS:
-            values[key] = _coerce(key, value)
         elif key == "trace_config":  # Triton's --trace-config flags, after the file's entries
             extra["trace_config"] = [*(extra.get("trace_config") or []), *value]
+        elif key in GROUPS and isinstance(value, Mapping):
+            given[key] = {k: v for k, v in value.items() if v is not None}
         else:
-            raise ConfigError(f"unknown config key {key!r}")
+            given[key] = value
+    unknown = settings.take(given)
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}")
+    for old, new in settings.deprecated.items():
+        log.warning("config key %r is deprecated: write %s", old, new)
 
     # Paths in the file are relative to the file.
     base = Path(path).parent if path is not None else Path.cwd()
-    for key in ("model_repository", *_SECURITY_PATH_KEYS):
-        if values.get(key):
-            values[key] = str((base / values[key]).resolve())
-    for name, settings in models.items():
-        if settings.get("path"):
-            models[name] = settings = {**settings, "path": str((base / str(settings["path"])).resolve())}
-        if isinstance(settings.get("input_values"), Mapping):
-            resolved = {k: str((base / str(v)).resolve()) for k, v in settings["input_values"].items()}
-            models[name] = {**settings, "input_values": resolved}
-    config = GatewayConfig(**values, **_secrets_from_env(), workers=tuple(_dedupe(workers)), models=models, extra=extra,
+    if settings.top.get("model_repository"):
+        settings.top["model_repository"] = str((base / settings.top["model_repository"]).resolve())
+    security = settings.groups["security"]
+    for key in _SECURITY_PATH_KEYS:
+        if security.get(key):
+            security[key] = str((base / security[key]).resolve())
+    security.update(_secrets_from_env())
+    for name, model in models.items():
+        if model.get("path"):
+            models[name] = model = {**model, "path": str((base / str(model["path"])).resolve())}
+        if isinstance(model.get("input_values"), Mapping):
+            resolved = {k: str((base / str(v)).resolve()) for k, v in model["input_values"].items()}
+            models[name] = {**model, "input_values": resolved}
+    groups = {name: group(**settings.groups[name]) for name, group in GROUPS.items()}
+    config = GatewayConfig(**settings.top, **groups, workers=tuple(_dedupe(workers)), models=models, extra=extra,
                            worker_dns=tuple(dict.fromkeys(worker_dns)))
     _validate(config)
     return config
+
+
+def _models(raw: Any) -> dict[str, Mapping[str, Any]]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config key 'models' must map model names to settings")
+    models: dict[str, Mapping[str, Any]] = {}
+    for name, settings in raw.items():
+        if settings is None:
+            settings = {}
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"models.{name} must be a mapping of settings")
+        models[str(name)] = dict(settings)
+    return models
 
 
 def _secrets_from_env() -> dict[str, str]:
@@ -353,63 +256,25 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 
 
 def _validate(config: GatewayConfig) -> None:
-    choices = {"worker_calls": ("unary", "stream"), "batching_mode": BATCHING_MODES,
-               "model_control_mode": MODEL_CONTROL_MODES}
+    """What no group checks itself: the top-level keys and the models."""
+    choices = {"worker_calls": WORKER_CALLS, "model_control_mode": MODEL_CONTROL_MODES}
     for key, allowed in choices.items():
         if getattr(config, key) not in allowed:
             raise ConfigError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
-    for key in ("max_queue_size", "probe_failures_to_down", "max_request_bytes"):
+    for key in ("max_request_bytes", "default_timeout_s"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
-    for key in ("max_inflight_per_replica", "busy_inflight_per_replica"):
-        if getattr(config, key) < 0:
-            raise ConfigError(f"{key} must be >= 0 (0 = from the replica's execution slots), got {getattr(config, key)}")
-    if config.cache_size < 0 or config.light_row_ms < 0:
-        raise ConfigError("cache_size (bytes) and light_row_ms must be >= 0 (0 turns them off)")
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")
-    if config.probe_interval_s <= 0 or config.default_timeout_s <= 0 or config.probe_timeout_s <= 0:
-        raise ConfigError("probe_interval_s, probe_timeout_s and default_timeout_s must be positive")
-    _validate_reliability(config)
-    for cert, key in (("tls_cert", "tls_key"), ("worker_tls_cert", "worker_tls_key")):
-        if bool(getattr(config, cert)) != bool(getattr(config, key)):
-            raise ConfigError(f"{cert} and {key} go together: give both or neither")
     for name, settings in config.models.items():
         mode = settings.get("mode")
         if mode is not None and mode not in BATCHING_MODES:
             raise ConfigError(f"models.{name}.mode must be one of {BATCHING_MODES}, got {mode!r}")
         _validate_logical(name, settings)
         _validate_placement(name, settings)
-    _validate_fleet(config)
-
-
-def _validate_reliability(config: GatewayConfig) -> None:
-    """Build the reliability settings once, so a bad key fails at load time and names itself."""
-    for build in (config.outlier_settings, config.retry_settings, config.hedge_settings, config.admission_settings):
-        try:
-            build()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-
-def _validate_fleet(config: GatewayConfig) -> None:
-    for key in ("dns_refresh_s", "heartbeat_interval_s", "placement_interval_s", "drain_timeout_s"):
-        if getattr(config, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
-    for key in ("model_idle_ttl_s", "worker_memory_cap_bytes", "default_model_memory_bytes", "autoscale_up_rate",
-                "autoscale_down_rate", "autoscale_max_replicas", "autoscale_cooldown_s"):
-        if getattr(config, key) < 0:
-            raise ConfigError(f"{key} must not be negative, got {getattr(config, key)}")
-    if config.heartbeat_misses_to_down < 1:
-        raise ConfigError("heartbeat_misses_to_down must be at least 1")
-    if not 0 < config.worker_memory_fraction <= 1:
-        raise ConfigError(f"worker_memory_fraction must be in (0, 1], got {config.worker_memory_fraction}")
-    if config.autoscale_up_rate and config.autoscale_down_rate >= config.autoscale_up_rate:
-        raise ConfigError("autoscale_down_rate must be below autoscale_up_rate (the gap is the hysteresis)")
     for entry in config.worker_dns:
-        text = entry.split("://", 1)[1] if entry.startswith(("triton://", "grpc://", "infergate://")) else entry
-        _check_address(text)
+        check_address(entry.split("://", 1)[1] if entry.startswith(("triton://", "grpc://", "infergate://")) else entry)
 
 
 def _validate_placement(name: str, settings: Mapping[str, Any]) -> None:
@@ -444,7 +309,3 @@ def _validate_logical(name: str, settings: Mapping[str, Any]) -> None:
     inflight = settings.get("max_inflight", 0)
     if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
         raise ConfigError(f"models.{name}.max_inflight must be a non-negative integer, got {inflight!r}")
-
-
-def with_workers(config: GatewayConfig, workers: list[WorkerSpec]) -> GatewayConfig:
-    return replace(config, workers=tuple(_dedupe(list(config.workers) + workers)))

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Self
 
+from gateway.settings import AdmissionSettings
 from gateway.types import InferRequest
 from protos.errors import InvalidArgument, Overloaded
 
@@ -36,25 +37,6 @@ from protos.errors import InvalidArgument, Overloaded
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 # Longest timeout a client may ask for through the header (a day): beyond is a typo.
 _MAX_HEADER_TIMEOUT_MS = 86_400_000.0
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionSettings:
-    """Config keys ``max_inflight_requests``, ``max_inflight_bytes``, ``priority_reserve_percent``."""
-
-    max_inflight_requests: int = 8192  # 0 = no bound
-    max_inflight_bytes: int = 2 * 2**30  # 0 = no bound
-    priority_reserve_percent: float = 10.0
-    retry_after_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_inflight_requests < 0 or self.max_inflight_bytes < 0:
-            raise ValueError("max_inflight_requests and max_inflight_bytes must be >= 0 (0 = no bound)")
-        if not 0 <= self.priority_reserve_percent < 100:
-            raise ValueError(f"priority_reserve_percent must be within 0..100, got {self.priority_reserve_percent}")
-        if self.retry_after_s <= 0:
-            raise ValueError("retry_after_s must be positive")
-
 
 
 @dataclass(frozen=True, slots=True)

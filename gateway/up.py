@@ -27,10 +27,11 @@ from pathlib import Path
 
 from gateway.app import RunningGateway, add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
 from gateway.observability.trace_settings import trace_config
-from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
+from gateway.config import load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.multiproc.supervisor import GatewayProcesses, process_count
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
+from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from serverkit.process import die_with_parent, install_event_loop_policy, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         # One token for both sides, so only this gateway can drive these workers.
         token_file = local_worker_token(workdir, config)
         worker_args += ["--auth-token-file", str(token_file)]
-        config = replace(config, worker_token_file=str(token_file))
+        config = replace(config, security=replace(config.security, worker_token_file=str(token_file)))
     # Workers export their spans to the gateway's OpenTelemetry endpoint.
     worker_args += [f"--trace-config={entry}" for entry in trace_config(config).worker_entries()]
     workers = [LocalWorker(i, args.model_repository, worker_args, workdir) for i in range(args.workers)]
@@ -336,10 +337,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The gateway reads the workers' repository too: logical models declared
         # with `from: <model>` are split from it.
-        config = load_config(args.config, host=args.host, http_port=args.http_port,
-                             grpc_port=args.grpc_port, batching_mode=args.batching_mode,
+        config = load_config(args.config,
+                             host=args.host,
+                             http_port=args.http_port,
+                             grpc_port=args.grpc_port,
+                             batching={"mode": args.batching_mode},
                              model_repository=str(Path(args.model_repository).resolve()),
-                             **triton_overrides(args), **security_overrides(args))
+                             **triton_overrides(args),
+                             **security_overrides(args))
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the gateway's drain_timeout_s)")
     parser.add_argument("--force", action="store_true", help="drain even if some model has no replica elsewhere")
     parser.add_argument("--undrain", action="store_true", help="put a drained worker back into service")
-    parser.add_argument("--key-file", default=None, metavar="FILE", help="admin key for a gateway with keys (README: Security)")
+    parser.add_argument("--key-file", default=None, metavar="FILE", help="admin key for a gateway with keys (docs/security.md)")
 
 
 def _call(url: str, worker: str, args: argparse.Namespace, key: str | None) -> tuple[int, dict[str, Any]]:

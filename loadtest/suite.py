@@ -2,7 +2,7 @@
 
 Runs each registered section in order, prints progress on stderr, and writes
 ``<out>/results.json`` (everything measured) and ``<out>/results.md`` (one
-table per section) -- the table the README quotes. Every measurement goes
+table per section) -- the table the docs quote. Every measurement goes
 through ``infergate bench``'s Python API; every process a section starts is
 stopped by it. Sections on this repository:
 

@@ -57,7 +57,7 @@ def run_compute(ctx: SuiteContext) -> SectionResult:
         # The worker's own thread defaults: what a user gets.
         (worker,) = procs.start_many([("worker", ["worker", "--model-repository", str(repo), "--host", "127.0.0.1",
                                                   "--port", "0", "--log-level", "warning"])])  # fmt: skip
-        gateway = ctx.start_gateway(procs, [grpc_address(worker)], {"batching_mode": "adaptive"}, [COMPUTE_MODEL])
+        gateway = ctx.start_gateway(procs, [grpc_address(worker)], {"batching": {"mode": "adaptive"}}, [COMPUTE_MODEL])
         url = grpc_address(gateway)
         levels = COMPUTE_CLIENTS[:1] if ctx.settings.quick else COMPUTE_CLIENTS
         for clients in levels:
@@ -142,7 +142,7 @@ def run_ceiling(ctx: SuiteContext) -> SectionResult:
     results: dict[tuple[str, int], tuple[LevelResult, float]] = {}
     with ProcessGroup(ctx.workdir) as procs:
         worker = ctx.start_workers(procs, 1)[0]
-        gateway = ctx.start_gateway(procs, [grpc_address(worker)], {"batching_mode": "adaptive"}, [LIGHT_MODEL])
+        gateway = ctx.start_gateway(procs, [grpc_address(worker)], {"batching": {"mode": "adaptive"}}, [LIGHT_MODEL])
         echo = procs.start("echo", ["--like", grpc_address(worker), "--model", LIGHT_MODEL], module="loadtest.echo_server")
         targets: dict[str, Service] = {"worker": worker, "gateway": gateway, "echo": echo}
         for clients in LIGHT_CLIENTS:

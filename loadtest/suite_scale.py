@@ -92,7 +92,7 @@ def run_scale(ctx: SuiteContext) -> SectionResult:
                                     name="sim-worker")  # fmt: skip
         addresses = [grpc_address(w) for w in workers]
         for n in levels:
-            gateway = ctx.start_gateway(procs, addresses[:n], {"batching_mode": "off"}, [SCALE_MODEL])
+            gateway = ctx.start_gateway(procs, addresses[:n], {"batching": {"mode": "off"}}, [SCALE_MODEL])
             clients = SCALE_CLIENTS_PER_WORKER * n
             ctx.progress(f"scale: {n} sim worker(s), {clients} clients")
             worker_pids = [w.pid for w in workers[:n]]

@@ -31,9 +31,10 @@ BATCHING_CLIENTS = 64
 FIXED_DELAY_US = 2000
 BATCHING_MODELS = ("mlp", "cnn")
 BATCHING_MODES = {
-    "off": {"batching_mode": "off"},
-    "fixed": {"batching_mode": "fixed", "models": {m: {"max_queue_delay_us": FIXED_DELAY_US} for m in BATCHING_MODELS}},
-    "adaptive": {"batching_mode": "adaptive"},
+    "off": {"batching": {"mode": "off"}},
+    "fixed": {"batching": {"mode": "fixed"},
+              "models": {m: {"max_queue_delay_us": FIXED_DELAY_US} for m in BATCHING_MODELS}},
+    "adaptive": {"batching": {"mode": "adaptive"}},
 }
 # Best of a few short runs: the ceiling is what the model allows when nothing
 # else interferes, so the least disturbed run is the one to report.
@@ -45,7 +46,7 @@ def run_overhead(ctx: SuiteContext) -> SectionResult:
     s = ctx.settings
     with ProcessGroup(ctx.workdir) as procs:
         worker = grpc_address(ctx.start_workers(procs, 1)[0])
-        gateway = ctx.start_gateway(procs, [worker], {"batching_mode": "adaptive"}, ["mlp"])
+        gateway = ctx.start_gateway(procs, [worker], {"batching": {"mode": "adaptive"}}, ["mlp"])
         gw_grpc, gw_http = f"127.0.0.1:{gateway.ready['grpc_port']}", f"127.0.0.1:{gateway.ready['http_port']}"
         paths = {"direct": (worker, "grpc"), "grpc": (gw_grpc, "grpc"), "http": (gw_http, "http")}
         runs: dict[str, list[LevelResult]] = {key: [] for key in paths}

@@ -7,7 +7,7 @@ tensors (name, datatype, shape, bytes), same requested outputs with their
 parameters (``classification`` included), same request parameters except
 those that only schedule or encode the request (``timeout``, ``priority``,
 binary-data flags). Only successful responses are kept, and only while the
-model's config enables the cache and ``cache_size`` (bytes) is above 0.
+model's config enables the cache and ``cache.size_bytes`` is above 0.
 
 Memory: every entry is charged its output bytes, its key and a fixed
 overhead per tensor; inserting past ``capacity_bytes`` evicts the least

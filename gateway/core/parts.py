@@ -25,7 +25,6 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.registry import Batchers
 from gateway.caching.response_cache import ResponseCache
-from gateway.config import GatewayConfig
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet
@@ -37,6 +36,7 @@ from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
+from gateway.settings import GatewayConfig
 
 class StatisticsScope(Protocol):
     """Whose statistics ``model_statistics`` answers with: this process's alone, or every process's summed."""

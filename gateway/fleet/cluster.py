@@ -35,10 +35,10 @@ from types import MappingProxyType
 
 from tritonclient.grpc import model_config_pb2
 
-from gateway.config import WorkerSpec
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
 from gateway.fleet.view import ModelInfo, WorkerModel, WorkerState, WorkerStatus, version_key
 from gateway.fleet.worker_client import WorkerClient
+from gateway.settings import WorkerSpec
 from protos.errors import InferGateError
 from protos.execution_slots import execution_slots
 

@@ -18,8 +18,8 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.config import WorkerSpec
 from gateway.fleet.membership import Membership, dns_source
+from gateway.settings import WorkerSpec
 from serverkit.tasks import log_task_death
 
 log = logging.getLogger(__name__)

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.membership import Membership
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
+from gateway.settings import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class Fleet:
         self.cluster = cluster
         self.membership = Membership(cluster, config.workers)
         kwargs = {"clock": clock} if clock is not None else {}
-        self.registry = Registry(self.membership, heartbeat_interval_s=config.heartbeat_interval_s,
-                                 misses_to_down=config.heartbeat_misses_to_down, token=token, **kwargs)
-        self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.dns_refresh_s)
+        self.registry = Registry(self.membership, heartbeat_interval_s=config.membership.heartbeat_interval_s,
+                                 misses_to_down=config.membership.heartbeat_misses_to_down, token=token, **kwargs)
+        self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.membership.dns_refresh_s)
                           if config.worker_dns else None)
         self.placement = (placement(config, cluster, self.registry) if placement is not None
                           else PlacementController(config, cluster, self.registry, **kwargs))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from gateway.config import WorkerSpec
 from gateway.fleet.cluster import Cluster, WorkerState
+from gateway.settings import WorkerSpec
 
 log = logging.getLogger(__name__)
 

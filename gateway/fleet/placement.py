@@ -16,7 +16,7 @@ their idle TTL and their autoscaled replica counts. Models this gateway did
 not place (loaded at a worker's start, logical models' shards) are left
 alone, except that a drained worker's models are adopted so they can move.
 
-The controller runs one task: a round every ``placement_interval_s``, after
+The controller runs one task: a round every ``placement.interval_s``, after
 every cluster change and whenever a request or a drain asks for one. A
 round plans, unloads what is no longer wanted, loads the new replicas, and
 only then unloads replicas that moved (make before break). All changes to
@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.demand import AutoscalePolicy, DemandBook
 from gateway.fleet.rendezvous import Bin, Demand, plan
 from gateway.fleet.worker_client import WorkerUnreachable
 from gateway.fleet.worker_reports import ModelMemory, observed
+from gateway.settings import GatewayConfig
 from protos.errors import InferGateError, ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 
@@ -68,9 +68,9 @@ class PlacementController:
         self._registry = registry
         self._clock = clock
         self.book = DemandBook(
-            AutoscalePolicy(config.autoscale_up_rate, config.autoscale_down_rate, config.autoscale_max_replicas,
-                            config.autoscale_cooldown_s),
-            idle_ttl_s=config.model_idle_ttl_s, clock=clock)
+            AutoscalePolicy(config.autoscale.up_rate, config.autoscale.down_rate, config.autoscale.max_replicas,
+                            config.autoscale.cooldown_s),
+            idle_ttl_s=config.placement.idle_ttl_s, clock=clock)
         self._logical = set(config.logical_models())
         for name, settings in config.models.items():
             if "replicas" in settings and name not in self._logical:
@@ -99,7 +99,7 @@ class PlacementController:
     async def start(self) -> None:
         """Place the declared models on the workers known now, then keep placing."""
         self._round = asyncio.get_running_loop().create_future()
-        if any(True for _ in self.book) or self._config.load_on_demand:
+        if any(True for _ in self.book) or self._config.placement.load_on_demand:
             await self._reconcile_logged()
         self._unsubscribe = self._cluster.on_change(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="placement")
@@ -122,7 +122,7 @@ class PlacementController:
             # cancellation that arrives as the event is set, and stop() would hang.
             waiter = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({waiter}, timeout=self._config.placement_interval_s)
+                await asyncio.wait({waiter}, timeout=self._config.placement.interval_s)
             finally:
                 waiter.cancel()
             self._wake.clear()
@@ -167,7 +167,7 @@ class PlacementController:
         if name in self._logical or self._not_found.get(name, 0.0) > self._clock():
             return False
         demand = self.book.get(name)
-        return (demand is not None and demand.declared) or self._config.load_on_demand
+        return (demand is not None and demand.declared) or self._config.placement.load_on_demand
 
     async def ensure(self, name: str, timeout_s: float) -> None:
         """Place ``name`` now if it has no READY replica; wait (at most ``timeout_s``) until it has one.

@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
-from gateway.config import ConfigError, WorkerSpec, _check_address
 from gateway.fleet.membership import REGISTERED, Membership
+from gateway.settings import ConfigError, WorkerSpec, check_address
 from protos import cluster_pb2, cluster_pb2_grpc
 from protos.errors import InferGateError, InvalidArgument, Unauthenticated
 from serverkit.tasks import log_task_death
@@ -209,7 +209,7 @@ class Registry:
     async def register(self, request: cluster_pb2.RegisterRequest) -> cluster_pb2.RegisterResponse:
         address = request.address.strip()
         try:
-            _check_address(address)
+            check_address(address)
         except ConfigError as e:
             raise InvalidArgument(str(e)) from None
         if not request.worker_id:

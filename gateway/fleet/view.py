@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.config import WorkerSpec
 from gateway.fleet.worker_client import WorkerClient
+from gateway.settings import WorkerSpec
 
 
 class WorkerStatus(enum.Enum):

@@ -19,8 +19,8 @@ from collections.abc import Container, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.config import GatewayConfig
 from gateway.fleet.demand import Observed
+from gateway.settings import GatewayConfig
 
 if TYPE_CHECKING:
     from gateway.fleet.registry import WorkerReport
@@ -36,11 +36,11 @@ class ModelMemory:
 
     def capacity(self, address: str, reports: Reports) -> int | None:
         limits = []
-        if self._config.worker_memory_cap_bytes:
-            limits.append(self._config.worker_memory_cap_bytes)
+        if self._config.placement.worker_memory_cap_bytes:
+            limits.append(self._config.placement.worker_memory_cap_bytes)
         report = reports.get(address)
         if report is not None and report.memory_total_bytes:
-            limits.append(int(report.memory_total_bytes * self._config.worker_memory_fraction))
+            limits.append(int(report.memory_total_bytes * self._config.placement.worker_memory_fraction))
         return min(limits) if limits else None
 
     @staticmethod
@@ -59,7 +59,7 @@ class ModelMemory:
         if reported:
             self._sizes[name] = reported
             return reported
-        return self._sizes.get(name) or self._repository_size(name) or self._config.default_model_memory_bytes
+        return self._sizes.get(name) or self._repository_size(name) or self._config.placement.default_model_memory_bytes
 
     def _repository_size(self, name: str) -> int:
         """Bytes of the files of the model's latest version in the model repository (0 = unknown); cached."""

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 import orjson
 from tritonclient.grpc import service_pb2
 
-from gateway.config import GatewayConfig
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
+from gateway.settings import GatewayConfig
 from protos.errors import ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 

@@ -25,7 +25,6 @@ from aiohttp import web
 from prometheus_client.process_collector import ProcessCollector
 from tritonclient.grpc import service_pb2
 
-from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.drain import drain_worker, undrain_worker
 from gateway.fleet.manager import Fleet
@@ -38,6 +37,7 @@ from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, clus
 from gateway.observability.metrics import GatewayCollector
 from gateway.observability.observed import ObservedGateway
 from gateway.routing.sequences import SequenceRoutes
+from gateway.settings import GatewayConfig
 from protos.errors import InferGateError, InvalidArgument, NotFound
 from serverkit.prometheus import CONTENT_TYPE, render_text
 
@@ -195,7 +195,7 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v2/cluster", cluster)
     app.router.add_get("/v2/cluster/stats", stats)
-    add_drain_routes(app, views, default_timeout_s=views.gateway.config.drain_timeout_s)
+    add_drain_routes(app, views, default_timeout_s=views.gateway.config.placement.drain_timeout_s)
 
 
 def _internal(views: GroupViews, handler: Handler) -> Handler:
@@ -251,12 +251,14 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json({})
 
     async def drain(r: web.Request) -> web.Response:
-        status, body = await views.drain(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s),
+        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        status, body = await views.drain(q(r, "address"), timeout_s,
                                          q(r, "force") == "true")
         return _json({"status": status, "body": body})
 
     async def drain_local(r: web.Request) -> web.Response:
-        return _json(await views.drain_local(q(r, "address"), _float(r, "timeout_s", gateway.config.drain_timeout_s)))
+        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        return _json(await views.drain_local(q(r, "address"), timeout_s))
 
     async def undrain(r: web.Request) -> web.Response:
         status, body = await views.undrain(q(r, "address"))

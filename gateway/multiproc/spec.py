@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig
+from gateway.settings import ConfigError, GatewayConfig
 from serverkit.listen import cannot_listen
 
 PEER_HOST = "127.0.0.1"

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig
 from gateway.multiproc.peers import OUTSIDE, ProcessGroup
 from gateway.multiproc.spec import PEER_HOST, ProcessSpec, reserve_port
+from gateway.settings import ConfigError, GatewayConfig
 from serverkit.process import die_with_parent, wait_for_signal, write_ready_file
 
 log = logging.getLogger(__name__)

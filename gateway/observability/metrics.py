@@ -229,10 +229,10 @@ class GatewayCollector(Collector):
             hit_us.add_metric(key, c.hit_ns // 1000)
             miss_us.add_metric(key, c.miss_ns // 1000)
         yield from (hits, misses, hit_us, miss_us)
-        yield GaugeMetricFamily("infergate_cache_capacity_bytes", "Response cache bound (cache_size)", value=cache.capacity_bytes)
+        yield GaugeMetricFamily("infergate_cache_capacity_bytes", "Response cache bound (cache.size_bytes)", value=cache.capacity_bytes)
         yield GaugeMetricFamily("infergate_cache_used_bytes", "Bytes the response cache holds", value=cache.used_bytes)
         yield GaugeMetricFamily("infergate_cache_entries", "Responses the response cache holds", value=len(cache))
-        yield CounterMetricFamily("infergate_cache_evictions", "Responses evicted to stay within cache_size",
+        yield CounterMetricFamily("infergate_cache_evictions", "Responses evicted to stay within cache.size_bytes",
                                   value=cache.evictions)
 
 

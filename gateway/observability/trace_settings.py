@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config import ConfigError, GatewayConfig
+from gateway.settings import ConfigError, GatewayConfig
 from protos.errors import InvalidArgument, Unsupported
 from serverkit.tracing import TraceConfig
 

@@ -40,8 +40,8 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.config import ConfigError
 from gateway.fleet.cluster import ModelInfo
+from gateway.settings import ConfigError
 from splitter.plan import Plan
 from splitter.sizes import InputHints, load_values, parse_dims
 

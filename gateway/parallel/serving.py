@@ -48,7 +48,6 @@ import onnx
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.assembly import Sender
-from gateway.config import GatewayConfig
 from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.parallel.logical import (
     VERSION,
@@ -68,6 +67,7 @@ from gateway.parallel.remote import (
 )
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
+from gateway.settings import GatewayConfig
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 from splitter.execute import PlanExecutor
@@ -326,7 +326,7 @@ class ParallelModels:
         config, metadata = signature(spec, layout.plan, self._cluster.model(spec.source) if spec.source else None, repo_config)
         info = ModelInfo(spec.name, (VERSION,), config, metadata, ())
         # Derived per replica (0): one batch executing and one waiting per shard group.
-        per_replica = self._config.max_inflight_per_replica or 2
+        per_replica = self._config.batching.max_inflight_per_replica or 2
         limit = spec.max_inflight or spec.replicas * per_replica * spec.pipeline_parallel
         steps = steps_by_slot(layout.plan) if spec.collectives == "peer" else ()
         if spec.collectives == "peer" and not steps:

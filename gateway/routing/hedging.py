@@ -7,8 +7,8 @@ calls (``gateway.routing.attempts.AttemptRace``) act on:
 * the hang threshold, ``max(hang_min_s, hang_multiplier * p99)``: an attempt
   silent that long counts as a failure of its worker (found by time, not by
   errors) and gets a second attempt beside it on another replica;
-* with hedging on (``hedge_percentile`` > 0), the hedge delay: that
-  percentile of the model's latency (at least ``hedge_min_delay_s``), after
+* with hedging on (``percentile`` > 0), the hedge delay: that
+  percentile of the model's latency (at least ``min_delay_s``), after
   which a second attempt starts beside the first whether or not it hangs.
 
 Neither applies before a model has ``min_samples`` latencies: a model's first
@@ -24,6 +24,7 @@ from typing import Protocol
 
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import Backoff, RetryBudget
+from gateway.settings import HedgeSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,27 +35,6 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
     async def sleep(self, s: float) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class HedgeSettings:
-    """Config keys ``hedge_*`` and ``hang_*`` (see gateway/config.py)."""
-
-    hedge_percentile: float = 0.0  # 0 = no hedging; e.g. 95 hedges the slowest 5%
-    hedge_min_delay_s: float = 0.005
-    max_extra_attempts: int = 1  # attempts in flight beside the first
-    hang_multiplier: float = 8.0  # 0 = no hang detection
-    hang_min_s: float = 1.0
-    min_samples: int = 20  # latencies a model needs before its thresholds apply
-
-    def __post_init__(self) -> None:
-        if not (self.hedge_percentile == 0 or 50 <= self.hedge_percentile < 100):
-            raise ValueError(f"hedge_percentile must be 0 (off) or within 50..100, got {self.hedge_percentile}")
-        if self.hedge_min_delay_s < 0 or self.hang_min_s <= 0 or self.hang_multiplier < 0:
-            raise ValueError("hedge_min_delay_s must be >= 0, hang_min_s > 0 and hang_multiplier >= 0 (0 = off)")
-        if self.max_extra_attempts < 0 or self.min_samples < 1:
-            raise ValueError("max_extra_attempts >= 0 and min_samples >= 1 are required")
-
 
 
 class LatencyTracker:
@@ -145,8 +125,8 @@ class AttemptPolicy:
             if hedge.hang_multiplier:
                 p99 = self.latency.percentile(model, 99.0) or 0.0
                 hang_s = max(hedge.hang_min_s, hedge.hang_multiplier * p99)
-            if hedge.hedge_percentile:
-                p = self.latency.percentile(model, hedge.hedge_percentile) or 0.0
-                hedge_s = max(hedge.hedge_min_delay_s, p)
+            if hedge.percentile:
+                p = self.latency.percentile(model, hedge.percentile) or 0.0
+                hedge_s = max(hedge.min_delay_s, p)
         self._thresholds[model] = (count, hang_s, hedge_s)
         return hang_s, hedge_s

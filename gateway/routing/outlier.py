@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gateway.settings import OutlierSettings
+
 log = logging.getLogger(__name__)
 
 # A worker's latency for a model is the median of its latest samples: one
@@ -57,35 +59,6 @@ class CircuitState(enum.Enum):
     CLOSED = "CLOSED"  # in rotation
     OPEN = "OPEN"  # ejected until ejected_until
     HALF_OPEN = "HALF_OPEN"  # ejection over: trial attempts decide
-
-
-@dataclass(frozen=True, slots=True)
-class OutlierSettings:
-    """Config keys ``outlier_*`` (see gateway/config.py)."""
-
-    consecutive_failures: int = 5  # 0 turns failure ejection off
-    base_ejection_s: float = 30.0
-    max_ejection_s: float = 300.0
-    max_ejection_percent: float = 50.0
-    latency_factor: float = 3.0  # 0 turns latency ejection off
-    latency_min_excess_s: float = 0.05
-    latency_min_samples: int = 10
-    half_open_trials: int = 1  # attempts in flight while HALF_OPEN
-
-    def __post_init__(self) -> None:
-        if self.consecutive_failures < 0:
-            raise ValueError("outlier_consecutive_failures must be >= 0 (0 = off)")
-        if self.latency_min_samples < 1 or self.half_open_trials < 1:
-            raise ValueError("outlier: latency_min_samples and half_open_trials must be >= 1")
-        if self.base_ejection_s <= 0 or self.max_ejection_s < self.base_ejection_s:
-            raise ValueError("outlier ejection needs 0 < outlier_base_ejection_s <= outlier_max_ejection_s")
-        if not 0 <= self.max_ejection_percent <= 100:
-            raise ValueError(f"outlier_max_ejection_percent must be within 0..100, got {self.max_ejection_percent}")
-        if self.latency_factor != 0 and self.latency_factor <= 1:
-            raise ValueError(f"outlier_latency_factor must be 0 (off) or above 1, got {self.latency_factor}")
-        if self.latency_min_excess_s < 0:
-            raise ValueError("outlier_latency_min_excess_s must be >= 0")
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ call that hangs) needs a token, and the tokens out at once are bounded by a
 share of the routed calls in flight (``budget_percent``, 20 by default) or a
 small floor (``min_concurrency``) when few calls run. When every replica
 fails, the first attempts fail and at most that many retries follow: the
-load on the cluster grows by a bounded fraction, not by ``retry_limit``
+load on the cluster grows by a bounded fraction, not by ``retry.limit``
 times. A call denied a token gives up with its last error.
 
 :class:`Backoff` spaces retries: full jitter, a random wait in
@@ -24,26 +24,9 @@ import math
 import random
 from dataclasses import dataclass
 
+from gateway.settings import RetrySettings
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RetrySettings:
-    """The router's retry policy (config keys ``retry_*``)."""
-
-    budget_percent: float = 20.0  # extra attempts in flight, as a share of routed calls in flight
-    min_concurrency: int = 3  # extra attempts always allowed, however few calls run
-    backoff_base_s: float = 0.025
-    backoff_max_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.budget_percent <= 100:
-            raise ValueError(f"retry_budget_percent must be within 0..100, got {self.budget_percent}")
-        if self.min_concurrency < 0:
-            raise ValueError(f"retry_min_concurrency must be >= 0, got {self.min_concurrency}")
-        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
-            raise ValueError("retry backoff needs 0 <= retry_backoff_base_s <= retry_backoff_max_s")
-
 
 
 @dataclass(slots=True)

@@ -56,10 +56,11 @@ from gateway.batching.seams import Clock, LoopClock, NotSent
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
-from gateway.routing.hedging import AttemptPolicy, HedgeSettings, LatencyTracker
+from gateway.routing.hedging import AttemptPolicy, LatencyTracker
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import Backoff, RetryBudget
+from gateway.settings import HedgeSettings
 from protos import wire
 from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
 
@@ -170,9 +171,6 @@ class Router:
         self._bounds = {name: (int(s.get("busy_inflight_per_replica", 0)), int(s.get("max_inflight_per_replica", 0)))
                         for name, s in (per_model or {}).items()
                         if s.get("busy_inflight_per_replica") or s.get("max_inflight_per_replica")}
-        self.retry_limit = retry_limit
-        self._backoff_s = retry_backoff_s
-        self._backoff_max_s = retry_backoff_max_s
         self._clock: Clock = clock or LoopClock()
         self._rng = rng or random.Random()
         self.retry_budget = retry_budget or RetryBudget()

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig
+from gateway.settings import ConfigError, GatewayConfig
 from protos.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -318,18 +318,19 @@ def load_key_store(config: GatewayConfig, *, clock: Callable[[], float] = time.m
     """The keys named by ``config`` (files and environment), or None when there are none."""
     api_keys: list[ApiKey] = []
     admin_keys: list[AdminKey] = []
-    if config.api_key_file:
-        api_keys += parse_keys(_read(config.api_key_file, "API key"), config.api_key_file)
+    security = config.security
+    if security.api_key_file:
+        api_keys += parse_keys(_read(security.api_key_file, "API key"), security.api_key_file)
         if not api_keys:
-            raise ConfigError(f"API key file {config.api_key_file} holds no key")
-    if config.api_keys_env.strip():
-        api_keys += parse_keys(config.api_keys_env, "INFERGATE_API_KEYS", split_semicolons=True)
-    if config.admin_key_file:
-        admin_keys += parse_admin_keys(_read(config.admin_key_file, "admin key"), config.admin_key_file)
+            raise ConfigError(f"API key file {security.api_key_file} holds no key")
+    if security.api_keys_env.strip():
+        api_keys += parse_keys(security.api_keys_env, "INFERGATE_API_KEYS", split_semicolons=True)
+    if security.admin_key_file:
+        admin_keys += parse_admin_keys(_read(security.admin_key_file, "admin key"), security.admin_key_file)
         if not admin_keys:
-            raise ConfigError(f"admin key file {config.admin_key_file} holds no key")
-    if config.admin_keys_env.strip():
-        admin_keys += parse_admin_keys(config.admin_keys_env, "INFERGATE_ADMIN_KEYS", split_semicolons=True)
+            raise ConfigError(f"admin key file {security.admin_key_file} holds no key")
+    if security.admin_keys_env.strip():
+        admin_keys += parse_admin_keys(security.admin_keys_env, "INFERGATE_ADMIN_KEYS", split_semicolons=True)
     _no_duplicates(api_keys, "API keys")
     _no_duplicates(admin_keys, "admin keys")
     if not api_keys and not admin_keys:

@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.config import ConfigError, GatewayConfig, WorkerSpec
 from gateway.fleet.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
 from gateway.security.tls import grpc_channel_credentials, grpc_server_credentials, server_ssl_context
+from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from serverkit.listen import add_grpc_port
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,16 @@ _PATH_FLAGS = (
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security (README: Security)")
+    group = parser.add_argument_group("security (docs/security.md)")
     for flag, dest, meaning in _PATH_FLAGS:
         group.add_argument(flag, dest=dest, default=None, metavar="FILE", help=meaning)
 
 
-def security_overrides(args: argparse.Namespace) -> dict[str, str | None]:
-    """The flags as ``load_config`` overrides; paths made absolute here, as
-    relative paths in a config file are taken relative to that file."""
-    return {dest: str(Path(value).resolve()) if (value := getattr(args, dest, None)) else None
-            for _, dest, _ in _PATH_FLAGS}
+def security_overrides(args: argparse.Namespace) -> dict[str, dict[str, str | None]]:
+    """The flags as ``load_config`` overrides of the ``security`` group; paths made
+    absolute here, as relative paths in a config file are taken relative to that file."""
+    return {"security": {dest: str(Path(value).resolve()) if (value := getattr(args, dest, None)) else None
+                         for _, dest, _ in _PATH_FLAGS}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +73,9 @@ class GatewaySecurity:
     def from_config(cls, config: GatewayConfig) -> "GatewaySecurity":
         """Read every key and certificate file now: a bad one stops the start (ConfigError)."""
         keys = load_key_store(config)
-        if config.tls_cert:
-            context = server_ssl_context(config.tls_cert, config.tls_key)
-            credentials = grpc_server_credentials(config.tls_cert, config.tls_key)
+        if config.security.tls_cert:
+            context = server_ssl_context(config.security.tls_cert, config.security.tls_key)
+            credentials = grpc_server_credentials(config.security.tls_cert, config.security.tls_key)
             return cls(keys, context, credentials)
         if keys is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("API keys are on but TLS is off: keys cross the network in clear text (set --tls-cert)")
@@ -97,16 +97,17 @@ class GatewaySecurity:
 def worker_token(config: GatewayConfig) -> str:
     """The token workers accept from this gateway (``worker_token`` or the first line of
     ``worker_token_file``), "" when none is configured."""
-    if config.worker_token:
-        return config.worker_token
-    if not config.worker_token_file:
+    if config.security.worker_token:
+        return config.security.worker_token
+    if not config.security.worker_token_file:
         return ""
     try:
-        token = Path(config.worker_token_file).read_text(encoding="utf-8").strip()
+        token = Path(config.security.worker_token_file).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the worker token file {config.worker_token_file}: {exc}") from None
+        raise ConfigError(f"cannot read the worker token file {config.security.worker_token_file}: {exc}") from None
     if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"worker token file {config.worker_token_file} must hold one token without white space")
+        raise ConfigError(f"worker token file {config.security.worker_token_file} "
+                          "must hold one token without white space")
     return token
 
 
@@ -115,8 +116,10 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
     Triton server has no use for it) and the TLS credentials, when configured."""
     token = worker_token(config)
     credentials = None
-    if config.worker_tls_ca or config.worker_tls_cert:
-        credentials = grpc_channel_credentials(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
+    if config.security.worker_tls_ca or config.security.worker_tls_cert:
+        security = config.security
+        credentials = grpc_channel_credentials(security.worker_tls_ca, security.worker_tls_cert,
+                                               security.worker_tls_key)
 
     def make(spec: WorkerSpec) -> WorkerClient:
         headers: dict[str, Any] = dict(spec.headers)
@@ -132,12 +135,12 @@ def local_worker_token(workdir: Path, config: GatewayConfig) -> Path:
     """The token file ``infergate up`` gives its workers and its gateway: the
     configured one, else a file in ``workdir`` (readable by this user only)
     holding the token from the environment or a fresh random one."""
-    if config.worker_token_file:
+    if config.security.worker_token_file:
         worker_token(config)  # checks the file now, before any worker starts
-        return Path(config.worker_token_file)
+        return Path(config.security.worker_token_file)
     path = workdir / "worker.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write((config.worker_token or secrets.token_urlsafe(32)) + "\n")
+        f.write((config.security.worker_token or secrets.token_urlsafe(32)) + "\n")
     return path
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.config import ConfigError
+from gateway.settings import ConfigError
 
 
 def read_pem(path: str, what: str) -> bytes:

@@ -45,7 +45,7 @@ models:
 """
 # Forwards every request to a worker at once: no batching, no bound on calls per replica.
 FORWARDING_CONFIG = """
-max_inflight_per_replica: 100000
+batching: {max_inflight_per_replica: 100000}
 models:
   mlp: {mode: "off"}
 """

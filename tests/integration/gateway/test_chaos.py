@@ -37,12 +37,10 @@ NORMAL_LATENCY_MS = "2"
 SLOW_LATENCY_MS = "250"
 DRAIN_LATENCY_MS = "1500"
 GATEWAY_CONFIG = """
-probe_interval_s: 0.5
-probe_failures_to_down: 2
+probe: {interval_s: 0.5, failures_to_down: 2}
 default_timeout_s: 30
-outlier_base_ejection_s: 1.0
-outlier_max_ejection_s: 10.0
-hang_min_s: 0.5
+outlier: {base_ejection_s: 1.0, max_ejection_s: 10.0}
+hedge: {hang_min_s: 0.5}
 shutdown_grace_s: 20
 models:
   simple: {mode: "off"}

@@ -38,11 +38,10 @@ pytestmark = pytest.mark.timeout(180)
 
 WAIT_S = 60.0
 FAST = """\
-heartbeat_interval_s: 0.3
-heartbeat_misses_to_down: 3
-probe_interval_s: 0.5
-placement_interval_s: 0.3
+membership: {heartbeat_interval_s: 0.3, heartbeat_misses_to_down: 3}
+probe: {interval_s: 0.5}
 """
+FAST_PLACEMENT = {"interval_s": 0.3}
 
 
 # ---- processes ---------------------------------------------------------------------
@@ -58,9 +57,9 @@ class Fleet:
         self.workers: list[Proc] = []
         self.gone: set[int] = set()
 
-    def gateway(self, config: str) -> Proc:
+    def gateway(self, config: str, placement: dict[str, Any] | None = None) -> Proc:
         path = self.tmp / f"gateway{len(self.gateways)}.yaml"
-        path.write_text(FAST + config)
+        path.write_text(FAST + config + f"placement: {json.dumps({**FAST_PLACEMENT, **(placement or {})})}\n")
         proc = start(["gateway", "--http-port", "0", "--grpc-port", "0", "--config", str(path),
                       "--model-repository", str(self.repo)])
         self.gateways.append(proc)
@@ -255,8 +254,8 @@ def test_idle_ttl_and_lru_eviction(fleet: Fleet, model_repo: Path) -> None:
     # Any two of the three large models fit; all three do not.
     cap = sizes["cnn"] + sizes["encoder"] + sizes["simple"] + 1000
     assert sizes["mlp"] + sizes["cnn"] + sizes["encoder"] > cap
-    gateway = fleet.gateway(f"load_on_demand: true\nworker_memory_cap_bytes: {cap}\n"
-                            "models:\n  simple: {idle_ttl_s: 1.0}\n")
+    gateway = fleet.gateway("models:\n  simple: {idle_ttl_s: 1.0}\n",
+                            placement={"load_on_demand": True, "worker_memory_cap_bytes": cap})
     (worker,) = fleet.register(1, gateway)
     until(lambda: placement(gateway)["workers"], "the worker to register")
 

@@ -48,7 +48,7 @@ def workers(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def gateway(workers: tuple[Proc, Proc], config_dir: Path, light_row_ms: float) -> Proc:
     config = config_dir / "gateway.yaml"
-    config.write_text(f"light_row_ms: {light_row_ms}\n")
+    config.write_text(f"batching:\n  light_row_ms: {light_row_ms}\n")
     args = ["gateway", "--http-port", "0", "--grpc-port", "0", "--config", str(config)]
     for worker in workers:
         args += ["--worker", worker_url(worker)]

@@ -41,7 +41,7 @@ from tests.harness import Proc, infergate_cmd, start, start_worker, worker_url
 pytestmark = pytest.mark.timeout(180)
 
 WAIT_S = 60.0
-FAST = "probe_interval_s: 0.5\nplacement_interval_s: 0.3\n"
+FAST = "probe:\n  interval_s: 0.5\nplacement:\n  interval_s: 0.3\n"
 REQUESTS = 40  # per protocol
 
 

@@ -46,7 +46,7 @@ def listed_by(gateway: Proc, address: str) -> set[str]:
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Proc]:
     path = tmp_path / "gateway.yaml"
-    path.write_text(FAST + f"heartbeat_interval_s: {HEARTBEAT_S}\nheartbeat_misses_to_down: {MISSES}\n")
+    path.write_text(FAST + f"membership:\n  heartbeat_interval_s: {HEARTBEAT_S}\n  heartbeat_misses_to_down: {MISSES}\n")
     proc = start(["gateway", "--http-port", "0", "--grpc-port", "0", "--config", str(path), "--processes", "2"])
     yield proc
     proc.stop()

@@ -42,9 +42,8 @@ RSS_GROWTH_BOUND_MB = 64.0
 OVERLOAD_REQUESTS = 6000
 GATEWAY_CONFIG = """
 default_timeout_s: 30
-max_inflight_per_replica: 2
-max_inflight_requests: 32
-priority_reserve_percent: 10
+batching: {max_inflight_per_replica: 2}
+admission: {max_inflight_requests: 32, priority_reserve_percent: 10}
 models:
   mlp: {mode: "off", priority_levels: 2, default_priority_level: 2}
   simple: {mode: "off", default_timeout_us: 100000, timeout_action: REJECT}

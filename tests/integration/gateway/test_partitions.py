@@ -35,13 +35,10 @@ from tests.netsim import Host, NetSim
 pytestmark = pytest.mark.timeout(180)
 
 GATEWAY_CONFIG = """
-probe_interval_s: 0.3
-probe_failures_to_down: 2
-probe_timeout_s: 1.0
+probe: {interval_s: 0.3, failures_to_down: 2, timeout_s: 1.0}
 default_timeout_s: 20
-hang_min_s: 0.5
-outlier_base_ejection_s: 1.0
-outlier_max_ejection_s: 5.0
+hedge: {hang_min_s: 0.5}
+outlier: {base_ejection_s: 1.0, max_ejection_s: 5.0}
 shutdown_grace_s: 10
 """
 WORKER_ARGS = ("--backend", "sim", "--sim-latency-ms", "20", "--grace-period", "5")
@@ -143,7 +140,7 @@ async def test_worker_cut_off_mid_batch_rejoins_without_restart(
 FLAPS = 4
 FLAP_HALF_PERIOD_S = 1.5
 # Probes bounded well below a cut's length, so each cut is long enough to mark the worker down.
-FLAP_CONFIG = GATEWAY_CONFIG.replace("probe_timeout_s: 1.0", "probe_timeout_s: 0.4")
+FLAP_CONFIG = GATEWAY_CONFIG.replace("timeout_s: 1.0", "timeout_s: 0.4")
 
 
 async def test_flapping_link_causes_no_ejection_storm(netsim: NetSim, model_repo: Path, tmp_path: Path) -> None:
@@ -186,7 +183,7 @@ def flap(net: NetSim, host: Host) -> None:
 
 
 PLACED_CONFIG = GATEWAY_CONFIG + """
-placement_interval_s: 0.5
+placement: {interval_s: 0.5}
 models:
   mlp: {replicas: 2}
 """

@@ -33,10 +33,9 @@ from tests.poison_models import MAX_SEQUENCE, VOCABULARY, write_repository
 pytestmark = pytest.mark.timeout(300)
 
 GATEWAY_CONFIG = """
-probe_interval_s: 0.5
+probe: {interval_s: 0.5}
 default_timeout_s: 30
-outlier_consecutive_failures: 2
-outlier_base_ejection_s: 60
+outlier: {consecutive_failures: 2, base_ejection_s: 60}
 """
 GOOD_CLIENTS = 6
 GOOD_PER_CLIENT = 30

@@ -26,7 +26,7 @@ from tests.integration.gateway.test_triton_semantics import _until, _worker_busy
 pytestmark = pytest.mark.timeout(120)
 
 GATEWAY_CONFIG = """
-max_queue_size: 1024
+batching: {max_queue_size: 1024}
 models:
   overridden: {max_queue_size: 4}
   timed: {mode: "off"}

@@ -16,9 +16,9 @@ import onnxruntime as ort
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.config import WorkerSpec
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.routing.router import Router
+from gateway.settings import WorkerSpec
 from protos.errors import InferGateError
 from tests.harness import Proc, start_worker, worker_url
 

@@ -27,7 +27,7 @@ from models.sequences import SEQUENCE_MODEL_NAMES
 from tests.harness import Proc, start, start_worker, worker_url
 
 pytestmark = pytest.mark.timeout(180)
-FAST = "probe_interval_s: 0.3\nheartbeat_interval_s: 0.3\n"
+FAST = "probe:\n  interval_s: 0.3\nmembership:\n  heartbeat_interval_s: 0.3\n"
 VALUES = [11, 7, 5, 3, 2, 0, 1]  # Triton's sequence client examples send these
 
 

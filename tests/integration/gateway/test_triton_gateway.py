@@ -130,7 +130,7 @@ def worker(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def start_gateway(tmp_path: Path, config: str, *workers: str) -> Proc:
     path = tmp_path / "gateway.yaml"
-    path.write_text(f"probe_interval_s: {PROBE_INTERVAL_S}\n{config}")
+    path.write_text(f"probe:\n  interval_s: {PROBE_INTERVAL_S}\n{config}")
     args = ["gateway", "--http-port", "0", "--grpc-port", "0", "--config", str(path)]
     for address in workers:
         args += ["--worker", address]

@@ -207,8 +207,6 @@ def secret_files(docs: list[dict[str, Any]], name: str) -> dict[str, str]:
 
 def test_example_secrets_load_with_the_real_key_store(rendered: dict[str, list[dict[str, Any]]],
                                                       tmp_path: Path) -> None:
-    from dataclasses import replace
-
     from gateway.security.api_keys import load_key_store
 
     docs = rendered["examples/production"]
@@ -218,8 +216,8 @@ def test_example_secrets_load_with_the_real_key_store(rendered: dict[str, list[d
     for flag, key in (("--api-key-file", "api-keys"), ("--admin-key-file", "admin-keys")):
         assert flag_value(gateway["args"], flag) == f"{mount}/{key}"
         (tmp_path / key).write_text(files[key])
-    config = replace(load_config(None), api_key_file=str(tmp_path / "api-keys"),
-                     admin_key_file=str(tmp_path / "admin-keys"))
+    config = load_config(None, security={"api_key_file": str(tmp_path / "api-keys"),
+                                         "admin_key_file": str(tmp_path / "admin-keys")})
     store = load_key_store(config)
     assert store is not None and len(store) == 3
     admin_keys = [line.split()[0] for line in files["admin-keys"].splitlines() if line.strip()]

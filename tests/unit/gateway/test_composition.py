@@ -9,7 +9,6 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.registry import Batchers
 from gateway.composition import Seams, build_cluster, build_gateway, compose, group_seams
-from gateway.config import GatewayConfig
 from gateway.core import Gateway, LocalModelControl, LocalStatistics
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.placement import PlacementController
@@ -17,6 +16,7 @@ from gateway.fleet.registry import Registry
 from gateway.multiproc.group import FollowerPlacement, GroupModelControl, GroupStatistics
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from gateway.observability.trace_settings import TraceSettings
+from gateway.settings import BatchingSettings, GatewayConfig
 
 
 class FakeGroup:
@@ -111,7 +111,7 @@ async def test_a_follower_forwards_repository_control_to_the_leader() -> None:
 def test_batch_policies_come_from_the_config_the_root_read() -> None:
     from tritonclient.grpc import model_config_pb2
 
-    gateway = build_gateway(GatewayConfig(batching_mode="fixed", max_queue_size=7))
+    gateway = build_gateway(GatewayConfig(batching=BatchingSettings(mode="fixed", max_queue_size=7)))
     model = model_config_pb2.ModelConfig(max_batch_size=8, dynamic_batching=model_config_pb2.ModelDynamicBatching())
     policy = gateway.parts.batchers.policy("m", model, backend_batches=False)
     assert (policy.mode, policy.max_batch_size, policy.max_queue_size) == ("fixed", 8, 7)

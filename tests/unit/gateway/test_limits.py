@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, load_config
-from gateway.limits import (
-    TIMEOUT_HEADER,
-    Admission,
-    AdmissionSettings,
-    apply_timeout_header,
-)
+from gateway.config import load_config
+from gateway.limits import TIMEOUT_HEADER, Admission, apply_timeout_header
+from gateway.settings import AdmissionSettings, ConfigError
 from gateway.types import InferRequest, Tensor
 from protos.errors import InvalidArgument, Overloaded
 
@@ -79,10 +75,13 @@ def test_timeout_header_tightens_the_deadline_only() -> None:
 
 
 def test_config_keys_are_validated() -> None:
-    config = load_config(None, max_inflight_requests=5, hedge_percentile=99, outlier_consecutive_failures=7)
-    assert (config.max_inflight_requests, config.hedge_percentile, config.outlier_consecutive_failures) == (5, 99.0, 7)
-    for key, value in (("max_inflight_requests", -1), ("priority_reserve_percent", 100), ("hedge_percentile", 20),
-                       ("outlier_max_ejection_percent", 101), ("retry_budget_percent", -1),
-                       ("outlier_latency_factor", 0.5), ("hang_min_s", 0)):
-        with pytest.raises(ConfigError, match=key):
-            load_config(None, **{key: value})
+    config = load_config(None, admission={"max_inflight_requests": 5}, hedge={"percentile": 99},
+                         outlier={"consecutive_failures": 7})
+    assert (config.admission.max_inflight_requests, config.hedge.percentile,
+            config.outlier.consecutive_failures) == (5, 99.0, 7)
+    for group, key, value in (("admission", "max_inflight_requests", -1),
+                              ("admission", "priority_reserve_percent", 100), ("hedge", "percentile", 20),
+                              ("outlier", "max_ejection_percent", 101), ("retry", "budget_percent", -1),
+                              ("outlier", "latency_factor", 0.5), ("hedge", "hang_min_s", 0)):
+        with pytest.raises(ConfigError, match=f"{group}.{key}"):
+            load_config(None, **{group: {key: value}})

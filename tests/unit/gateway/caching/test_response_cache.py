@@ -123,7 +123,7 @@ def test_cache_size_config_key() -> None:
 
     from gateway.config import ConfigError, load_config
 
-    assert load_config().cache_size == 0
-    assert load_config(cache_size="1048576").cache_size == 1 << 20
-    with pytest.raises(ConfigError, match="cache_size"):
-        load_config(cache_size=-1)
+    assert load_config().cache.size_bytes == 0
+    assert load_config(cache={"size_bytes": "1048576"}).cache.size_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="cache.size_bytes"):
+        load_config(cache={"size_bytes": -1})

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import GatewayConfig, WorkerSpec
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.manager import Fleet
 from gateway.fleet.membership import Membership
 from gateway.fleet.registry import Registry
+from gateway.settings import GatewayConfig, WorkerSpec
 from protos import cluster_pb2
 from protos.errors import InvalidArgument, Unauthenticated
 from tests.unit.gateway.fleet.test_placement import FakeClock, Fakes

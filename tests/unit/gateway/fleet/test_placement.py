@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.config import GatewayConfig, WorkerSpec
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.demand import AutoscalePolicy, DemandBook, Observed
 from gateway.fleet.drain import drain_worker
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.rendezvous import Bin, Demand, plan, rendezvous_order
+from gateway.settings import GatewayConfig, PlacementSettings, WorkerSpec
 from protos.errors import InvalidArgument, ModelNotFound, Unavailable
 
 
@@ -244,7 +244,8 @@ async def make(config: GatewayConfig, n: int, clock: FakeClock | None = None
     fakes = Fakes()
     cluster = Cluster([WorkerSpec(a) for a in addresses(n)], probe_interval_s=3600, client_factory=fakes)  # type: ignore[arg-type]
     await cluster.start()
-    controller = PlacementController(replace(config, placement_interval_s=3600), cluster, None,
+    controller = PlacementController(replace(config, placement=replace(config.placement, interval_s=3600)), cluster,
+                                     None,
                                      **({"clock": clock} if clock else {}))
     await controller.start()
     return cluster, controller, fakes
@@ -281,7 +282,7 @@ async def test_declared_replicas_follow_rendezvous_and_move_minimally() -> None:
 
 
 async def test_load_on_demand_and_unknown_models() -> None:
-    cluster, controller, fakes = await make(GatewayConfig(load_on_demand=True), 3)
+    cluster, controller, fakes = await make(GatewayConfig(placement=PlacementSettings(load_on_demand=True)), 3)
     try:
         assert controller.can_load("encoder")
         await controller.ensure("encoder", 5)
@@ -294,7 +295,7 @@ async def test_load_on_demand_and_unknown_models() -> None:
 
 
 async def test_a_broken_model_fails_its_request_and_is_not_retried_at_once() -> None:
-    cluster, controller, fakes = await make(GatewayConfig(load_on_demand=True), 2)
+    cluster, controller, fakes = await make(GatewayConfig(placement=PlacementSettings(load_on_demand=True)), 2)
     try:
         for fake in fakes.by_address.values():
             fake.refuse["cnn"] = InvalidArgument("load failed for model 'cnn': bad graph")
@@ -315,7 +316,7 @@ async def test_a_broken_model_fails_its_request_and_is_not_retried_at_once() -> 
 
 async def test_lru_eviction_under_a_memory_cap() -> None:
     clock = FakeClock()
-    config = GatewayConfig(load_on_demand=True, worker_memory_cap_bytes=250,
+    config = GatewayConfig(placement=PlacementSettings(load_on_demand=True, worker_memory_cap_bytes=250),
                            models={n: {"memory_bytes": 100} for n in ("mlp", "cnn", "encoder")})
     cluster, controller, fakes = await make(config, 1, clock)
     try:
@@ -338,7 +339,8 @@ async def test_lru_eviction_under_a_memory_cap() -> None:
 
 async def test_idle_models_are_unloaded_after_their_ttl() -> None:
     clock = FakeClock()
-    config = GatewayConfig(load_on_demand=True, model_idle_ttl_s=30, models={"cnn": {"idle_ttl_s": 0}})
+    config = GatewayConfig(placement=PlacementSettings(load_on_demand=True, idle_ttl_s=30),
+                           models={"cnn": {"idle_ttl_s": 0}})
     cluster, controller, fakes = await make(config, 2, clock)
     try:
         await controller.ensure("mlp", 5)

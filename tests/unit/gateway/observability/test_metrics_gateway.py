@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.seams import BatcherStats
-from gateway.config import WorkerSpec
 from gateway.fleet.cluster import ModelInfo, WorkerModel, WorkerState, WorkerStatus
 from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, cluster_view
 from gateway.observability.latency import LATENCY_BUCKETS_S, LatencyHistograms
 from gateway.observability.metrics import BATCH_SIZE_BUCKETS, GatewayCollector, batch_size_counts, triton_failure_reason
 from gateway.observability.stats import GatewayStats
 from gateway.parallel.served import ParallelStats
-from gateway.routing.outlier import OutlierDetector, OutlierSettings
+from gateway.routing.outlier import OutlierDetector
 from gateway.routing.router import Router
+from gateway.settings import OutlierSettings, WorkerSpec
 from serverkit.prometheus import render_text
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config
+from gateway.config import load_config
 from gateway.observability.trace_settings import TraceSettings, normalize_json, trace_config
 from gateway.observability.tracing import RequestTracing, TraceFile
+from gateway.settings import ConfigError
 from gateway.types import InferRequest, Tensor
 from protos.errors import InvalidArgument, Unsupported
 from serverkit.tracing import TraceConfig

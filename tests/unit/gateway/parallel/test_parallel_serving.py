@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
+from gateway.config import load_config
 from gateway.fleet.cluster import ModelInfo, WorkerModel, WorkerState, WorkerStatus
 from gateway.parallel.logical import (
     LogicalSpec,
@@ -31,6 +31,7 @@ from gateway.parallel.remote import (
 )
 from gateway.parallel.serving import ParallelModels
 from gateway.parallel.shard_placement import DIGEST_PARAM
+from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from protos import codec
 from protos.errors import InvalidArgument, Unavailable
 from splitter import PlanExecutor, verify_split

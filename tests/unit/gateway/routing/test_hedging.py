@@ -12,10 +12,11 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.worker_client import ModelNotReady
-from gateway.routing.hedging import HedgeSettings, LatencyTracker
-from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
+from gateway.routing.hedging import LatencyTracker
+from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
+from gateway.settings import HedgeSettings, OutlierSettings
 from protos.errors import Unavailable
 from tests.unit.gateway.routing.test_router import started, until
 
@@ -40,9 +41,9 @@ def test_latency_percentiles() -> None:
 
 
 def test_hedge_settings_are_validated() -> None:
-    with pytest.raises(ValueError, match="hedge_percentile"):
-        HedgeSettings(hedge_percentile=10)
-    with pytest.raises(ValueError, match="hang_min_s"):
+    with pytest.raises(ValueError, match="hedge.percentile"):
+        HedgeSettings(percentile=10)
+    with pytest.raises(ValueError, match="hedge.hang_min_s"):
         HedgeSettings(hang_min_s=0)
 
 
@@ -78,7 +79,7 @@ async def test_hung_worker_is_detected_by_time_and_the_call_answered_elsewhere()
 
 async def test_hedge_races_a_slow_attempt_and_exactly_one_answer_wins() -> None:
     cluster, fleet = await started("a:1", "b:1")
-    hedging = HedgeSettings(hedge_percentile=95.0, hedge_min_delay_s=0.01, min_samples=1, hang_multiplier=0)
+    hedging = HedgeSettings(percentile=95.0, min_delay_s=0.01, min_samples=1, hang_multiplier=0)
     router = Router(cluster, hedging=hedging)
     router.latency.observe("m", 0.001)
     slow = asyncio.Event()
@@ -100,7 +101,7 @@ async def test_hedge_races_a_slow_attempt_and_exactly_one_answer_wins() -> None:
 
 async def test_both_attempts_answering_still_gives_one_response() -> None:
     cluster, fleet = await started("a:1", "b:1")
-    hedging = HedgeSettings(hedge_percentile=95.0, hedge_min_delay_s=0.0, min_samples=1, hang_multiplier=0)
+    hedging = HedgeSettings(percentile=95.0, min_delay_s=0.0, min_samples=1, hang_multiplier=0)
     router = Router(cluster, hedging=hedging)
     router.latency.observe("m", 0.0)
     gate = asyncio.Event()

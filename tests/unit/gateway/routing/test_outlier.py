@@ -9,8 +9,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import WorkerStatus
-from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
+from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.router import Router
+from gateway.settings import OutlierSettings
 from tests.unit.gateway.fleet.test_cluster import FakeFleet, make_cluster
 
 
@@ -159,11 +160,11 @@ def test_hung_attempt_counts_once_and_its_late_answer_is_no_trial() -> None:
 
 
 def test_settings_are_validated() -> None:
-    with pytest.raises(ValueError, match="outlier_latency_factor"):
+    with pytest.raises(ValueError, match="outlier.latency_factor"):
         OutlierSettings(latency_factor=0.5)
-    with pytest.raises(ValueError, match="outlier_max_ejection_percent"):
+    with pytest.raises(ValueError, match="outlier.max_ejection_percent"):
         OutlierSettings(max_ejection_percent=150)
-    with pytest.raises(ValueError, match="outlier_base_ejection_s"):
+    with pytest.raises(ValueError, match="outlier.base_ejection_s"):
         OutlierSettings(base_ejection_s=10, max_ejection_s=5)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
+from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
+from gateway.settings import OutlierSettings
 from protos.errors import Internal, InvalidArgument
 from tests.unit.gateway.routing.test_router import request, started
 

@@ -12,8 +12,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.worker_client import ModelNotReady
-from gateway.routing.retry_budget import Backoff, RetryBudget, RetrySettings
+from gateway.routing.retry_budget import Backoff, RetryBudget
 from gateway.routing.router import Router
+from gateway.settings import RetrySettings
 from protos.errors import Unavailable
 from tests.unit.gateway.routing.test_router import started, until
 
@@ -57,9 +58,9 @@ def test_backoff_is_fully_jittered_exponential_and_capped() -> None:
 
 
 def test_settings_are_validated() -> None:
-    with pytest.raises(ValueError, match="retry_budget_percent"):
+    with pytest.raises(ValueError, match="retry.budget_percent"):
         RetrySettings(budget_percent=120)
-    with pytest.raises(ValueError, match="retry_backoff_base_s"):
+    with pytest.raises(ValueError, match="retry.backoff_base_s"):
         RetrySettings(backoff_base_s=1.0, backoff_max_s=0.5)
 
 

@@ -14,8 +14,9 @@ from tritonclient.grpc import service_pb2
 from gateway.batching.seams import NotSent
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.worker_client import WorkerBusy, WorkerUnreachable
-from gateway.routing.outlier import CircuitState, OutlierDetector, OutlierSettings
+from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.router import Router
+from gateway.settings import OutlierSettings
 from protos.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from tests.unit.gateway.fleet.test_cluster import FakeFleet, make_cluster
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.config import ConfigError, load_config
+from gateway.config import load_config
 from gateway.fleet.cluster import Cluster
 from gateway.routing.light import RowCosts
 from gateway.routing.router import Router
+from gateway.settings import ConfigError
 from tests.unit.gateway.batching.fakes import FakeClock
 from tests.unit.gateway.routing.test_router import started, until
 

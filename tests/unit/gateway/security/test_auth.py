@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.config import ConfigError, GatewayConfig, WorkerSpec, load_config
+from gateway.config import load_config
 from gateway.security import api_keys as auth
 from gateway.security.api_keys import (
     Access,
@@ -30,6 +30,7 @@ from gateway.security.api_keys import (
 )
 from gateway.security.frontend_auth import grpc_access, grpc_secret, http_access, http_auth_middleware, http_secret
 from gateway.security.setup import GatewaySecurity, local_worker_token, worker_client_factory
+from gateway.settings import ConfigError, GatewayConfig, SecuritySettings, WorkerSpec
 from protos.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from workers.auth import TokenInterceptor, WorkerAuthError, WorkerSecurity
 
@@ -263,12 +264,14 @@ def test_one_key_cannot_be_both_api_and_admin() -> None:
 def test_keys_from_files_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "keys").write_text(f"{FULL}\n")
     (tmp_path / "admin").write_text(f"{ADMIN}\n")
-    (tmp_path / "gw.yaml").write_text("api_key_file: keys\nadmin_key_file: admin\napi_keys_env: from-yaml-0123456789\n")
+    (tmp_path / "gw.yaml").write_text("security:\n  api_key_file: keys\n  admin_key_file: admin\n"
+                                      "api_keys_env: from-yaml-0123456789\n")
     monkeypatch.setenv("INFERGATE_API_KEYS", f"{ONLY} mlp ; {LIMITED} rate=1/s")
     config = load_config(tmp_path / "gw.yaml")
     # Paths in the file are relative to it; secrets come from the environment only.
-    assert config.api_key_file == str(tmp_path / "keys") and config.admin_key_file == str(tmp_path / "admin")
-    assert ONLY in config.api_keys_env and "from-yaml" not in config.api_keys_env
+    assert config.security.api_key_file == str(tmp_path / "keys")
+    assert config.security.admin_key_file == str(tmp_path / "admin")
+    assert ONLY in config.security.api_keys_env and "from-yaml" not in config.security.api_keys_env
     assert ONLY not in repr(config)
     keys = load_key_store(config)
     assert keys is not None and len(keys) == 4
@@ -289,28 +292,28 @@ def test_no_keys_configured_means_no_store(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_unreadable_or_empty_key_files_stop_the_start(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
-        load_key_store(GatewayConfig(api_key_file=str(tmp_path / "missing")))
+        load_key_store(GatewayConfig(security=SecuritySettings(api_key_file=str(tmp_path / "missing"))))
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ConfigError, match="holds no key"):
-        load_key_store(GatewayConfig(admin_key_file=str(tmp_path / "empty")))
+        load_key_store(GatewayConfig(security=SecuritySettings(admin_key_file=str(tmp_path / "empty"))))
 
 
 @pytest.mark.parametrize("given", [{"tls_cert": "c.pem"}, {"tls_key": "k.pem"}, {"worker_tls_key": "k.pem"}])
 def test_certificate_and_key_go_together(given: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="go together"):
-        load_config(None, **given)
+        load_config(None, security=given)
 
 
 def test_worker_clients_carry_the_token_to_infergate_workers_only(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("s3cret-token\n")
-    make = worker_client_factory(GatewayConfig(worker_token_file=str(tmp_path / "token")))
+    make = worker_client_factory(GatewayConfig(security=SecuritySettings(worker_token_file=str(tmp_path / "token"))))
     ours = make(WorkerSpec("127.0.0.1:1"))
     triton = make(WorkerSpec("127.0.0.1:2", kind="triton", headers=(("x-h", "v"),)))
     assert ("authorization", "Bearer s3cret-token") in ours._metadata  # noqa: SLF001
     assert triton._metadata == (("x-h", "v"),)  # noqa: SLF001
     (tmp_path / "bad").write_text("two words\n")
     with pytest.raises(ConfigError):
-        worker_client_factory(GatewayConfig(worker_token_file=str(tmp_path / "bad")))
+        worker_client_factory(GatewayConfig(security=SecuritySettings(worker_token_file=str(tmp_path / "bad"))))
 
 
 def test_up_makes_a_private_random_token(tmp_path: Path) -> None:
@@ -322,7 +325,7 @@ def test_up_makes_a_private_random_token(tmp_path: Path) -> None:
     assert first.stat().st_mode & 0o777 == 0o600
     assert len(first.read_text().strip()) >= 32 and first.read_text() != second.read_text()
     # A token from the environment is the one both sides get.
-    from_env = local_worker_token(dirs[2], GatewayConfig(worker_token="from-env-token"))
+    from_env = local_worker_token(dirs[2], GatewayConfig(security=SecuritySettings(worker_token="from-env-token")))
     assert from_env.read_text().strip() == "from-env-token"
 
 
