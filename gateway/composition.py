@@ -30,6 +30,8 @@ from gateway.batching.policy import BatchPolicy
 from gateway.batching.registry import Batchers, PolicyFor
 from gateway.caching.response_cache import ResponseCache
 from gateway.core import Gateway, GatewayParts, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
+from gateway.core.models import ModelCatalog
+from gateway.core.pipeline import RequestPipeline
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet, PlacementFactory
@@ -141,7 +143,8 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         statistics=seams.statistics,
         control=seams.control,
     )
-    gateway = Gateway(parts)
+    models = ModelCatalog(parts)
+    gateway = Gateway(parts, models, RequestPipeline(parts, models))
     return gateway
 
 

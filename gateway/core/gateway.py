@@ -41,11 +41,12 @@ EXTENSIONS = [
 class Gateway:
     """Implements ``gateway.types.InferenceCore`` over a cluster of workers, with the parts it is given.
 
-    ``models`` and ``pipeline`` are the core's own two halves (resolution, the
-    request path), reading the same parts; nothing else is made here.
+    ``models`` and ``pipeline`` are the core's two halves (resolution, the
+    request path), built from the same parts by the composition root; nothing
+    is made here.
     """
 
-    def __init__(self, parts: GatewayParts) -> None:
+    def __init__(self, parts: GatewayParts, models: ModelCatalog, pipeline: RequestPipeline) -> None:
         self.parts = parts
         self.config = parts.config
         self.cluster = parts.cluster
@@ -59,8 +60,8 @@ class Gateway:
         self.ensembles = parts.ensembles
         self.tracing = parts.tracing
         self._batchers = parts.batchers
-        self.models = ModelCatalog(parts)
-        self.pipeline = RequestPipeline(parts, self.models)
+        self.models = models
+        self.pipeline = pipeline
         self._shutting_down = False
 
     @property
