@@ -49,6 +49,7 @@ from gateway.observability.tracing import RequestTracing
 from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
 from gateway.requests.shared_memory import SharedMemoryRegistry
+from gateway.routing.choice import LeastLoaded
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
@@ -172,6 +173,7 @@ def build_router(config: GatewayConfig, cluster: Cluster) -> Router:
         retry_budget=RetryBudget.from_settings(retry),
         outliers=OutlierDetector(config.outlier),
         hedging=config.hedge, per_model=config.models, row_costs=RowCosts(config.batching.light_row_ms / 1000),
+        chooser=LeastLoaded(),  # the replica choice policy
     )
 
 

@@ -1,20 +1,11 @@
 """The router: sends each batch to one healthy replica of its model.
 
-Choice: least outstanding batches among the READY replicas below their
-in-flight bound (with more than a handful of candidates, the better of two
-random ones: power of two choices). When every replica is at its bound the
-call waits, within the deadline, for a slot; the per-model
-:class:`ModelCapacity` tells the batcher when to hold batches back instead:
-a replica is *idle* while it has a free execution slot (adaptive batching
-sends at once only then) and has *room* up to one batch more than that (the
-waiting batch that hides the round trip; a busy replica still takes a full
-one). A replica's slots for a model are what its served config states
-(``WorkerModel.slots``: instances, or our worker's stated execution count);
-``busy_inflight_per_replica`` and ``max_inflight_per_replica`` fix the two
-bounds instead when set (0 = derived from the slots). A light model (little
-worker time per row, ``gateway.routing.light``) is busy at one batch: its
-requests batch up behind it instead of splitting over the slots; a heavy
-one only once its waiting batch is on the worker too.
+Choice: the candidates are the READY replicas below their in-flight bound
+(``gateway.routing.capacity``: the bounds, and the per-model
+:class:`~gateway.routing.capacity.ModelCapacity` the batcher holds batches
+back on); the router's :class:`~gateway.routing.choice.ReplicaChooser`
+picks one (by default the least loaded). When no candidate can take the
+batch the call waits, within the deadline, for a slot.
 
 Failures: ``Unavailable`` answers and transport failures are retried -- the
 whole batch, on a replica not tried yet when there is one -- after a small
@@ -46,9 +37,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 from tritonclient.grpc import service_pb2
 
@@ -56,6 +46,8 @@ from gateway.batching.seams import Clock, LoopClock, NotSent
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.attempts import AttemptFailed, AttemptRace
+from gateway.routing.capacity import InflightBounds, ModelCapacity, WorkerCounters
+from gateway.routing.choice import LeastLoaded, ReplicaChooser
 from gateway.routing.hedging import AttemptPolicy, LatencyTracker
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
@@ -66,81 +58,18 @@ from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFo
 
 log = logging.getLogger(__name__)
 
-# Above this many candidates, sample two instead of scanning (power of two choices).
-P2C_THRESHOLD = 4
 # The longest timeout one worker call is given; the request's own deadline still holds.
 MAX_CALL_TIMEOUT_S = 86_400.0
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerCounters:
-    """A snapshot of one worker's routing counters (for metrics and the dashboard)."""
+class Router:
+    """Sends batches to replicas: candidates, the chooser's pick, attempts, and the counters around them.
 
-    address: str
-    state: str
-    inflight: int
-    sent: int
-    failures: int
-    retries: int
-    circuit: str = "CLOSED"  # gateway.routing.outlier: CLOSED, OPEN (ejected) or HALF_OPEN
-
-
-class ModelCapacity:
-    """Whether a batch of one model could be sent now (implements ``gateway.batching.seams.Capacity``).
-
-    With no healthy replica at all it reports capacity, so queued requests
-    are dispatched and fail fast with ``Unavailable`` instead of waiting out
-    their deadlines for a worker that may never come.
+    ``chooser`` is the replica choice policy (default :class:`LeastLoaded`,
+    on ``rng``); the in-flight bounds (``InflightBounds``) come from the
+    ``*_inflight_per_replica``, ``per_model`` and ``row_costs`` arguments.
     """
 
-    def __init__(self, router: Router, model: str, version: str) -> None:
-        self._router = router
-        self.model = model
-        self.version = version
-        self._waiters: set[asyncio.Future[None]] = set()
-        # Calls of this model routed but not holding a replica slot yet (waiting for one,
-        # or about to take one): a slot such a call takes next must not look free to the
-        # batcher, or it would send another batch after it.
-        self.starting = 0
-
-    def has_capacity(self) -> bool:
-        """Some replica has a free execution slot: a batch sent now starts at once."""
-        replicas = self._router.cluster.healthy(self.model, self.version)
-        if not replicas:
-            return True
-        return self._router._free_slots(replicas, self.model, busy=True) > self.starting
-
-    def has_room(self) -> bool:
-        """Some replica can take one more batch now (its slots plus one waiting batch)."""
-        replicas = self._router.cluster.healthy(self.model, self.version)
-        if not replicas:
-            return True
-        return self._router._free_slots(replicas, self.model, busy=False) > self.starting
-
-    async def wait(self) -> None:
-        """Resolve when capacity may have become available (at once if it is)."""
-        if self.has_capacity():
-            return
-        future = self._register()
-        try:
-            await future
-        finally:
-            self._waiters.discard(future)
-
-    def _register(self) -> asyncio.Future[None]:
-        # Synchronous, so no wake-up can slip between a caller's check and its wait.
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(future)
-        return future
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, set()
-        for future in waiters:
-            if not future.done():
-                future.set_result(None)
-
-
-class Router:
     def __init__(
         self,
         cluster: Cluster,
@@ -157,26 +86,19 @@ class Router:
         hedging: HedgeSettings | None = None,
         per_model: Mapping[str, Mapping[str, Any]] | None = None,
         row_costs: RowCosts | None = None,
+        chooser: ReplicaChooser | None = None,
     ) -> None:
-        if max_inflight_per_replica < 0 or busy_inflight_per_replica < 0:
-            raise ValueError("max_inflight_per_replica and busy_inflight_per_replica must be >= 0 (0 = derived)")
         self.cluster = cluster
-        # 0 = derived per replica and model from its execution slots (see _limits).
-        self.max_inflight_per_replica = max_inflight_per_replica
-        self.busy_inflight_per_replica = (
-            min(busy_inflight_per_replica, max_inflight_per_replica) if max_inflight_per_replica else busy_inflight_per_replica
-        )
-        # Per-model bounds (config ``models.<name>.busy_inflight_per_replica`` / ``max_inflight_per_replica``)
-        # over the gateway-wide ones: a light model batches better when one batch in flight makes a replica busy.
-        self._bounds = {name: (int(s.get("busy_inflight_per_replica", 0)), int(s.get("max_inflight_per_replica", 0)))
-                        for name, s in (per_model or {}).items()
-                        if s.get("busy_inflight_per_replica") or s.get("max_inflight_per_replica")}
         self._clock: Clock = clock or LoopClock()
         self._rng = rng or random.Random()
         self.retry_budget = retry_budget or RetryBudget()
         self.outliers = outliers or OutlierDetector(clock=self._clock.now)
         self.latency = LatencyTracker()
-        self.row_costs = row_costs or RowCosts(0.0)  # the light-model rule, off unless given
+        # 0 = derived per replica and model from its execution slots; the light-model rule is off unless given.
+        self.bounds = InflightBounds(self.outliers, max_inflight_per_replica=max_inflight_per_replica,
+                                     busy_inflight_per_replica=busy_inflight_per_replica,
+                                     per_model=per_model, row_costs=row_costs)
+        self.chooser: ReplicaChooser = chooser or LeastLoaded(self._rng)
         backoff = Backoff(retry_backoff_s, max(retry_backoff_s, retry_backoff_max_s), self._rng)
         self.attempts = AttemptPolicy(self.outliers, self.retry_budget, backoff, self.latency,
                                       hedging or HedgeSettings(), retry_limit, self._clock)
@@ -186,6 +108,18 @@ class Router:
         self._unsubscribe: Callable[[], None] = cluster.on_change(self._cluster_changed)
         self.outliers.sync((w.address, w.is_up) for w in cluster.workers())
 
+    @property
+    def row_costs(self) -> RowCosts:
+        return self.bounds.row_costs
+
+    @row_costs.setter
+    def row_costs(self, row_costs: RowCosts) -> None:
+        self.bounds.row_costs = row_costs
+
+    def limits(self, worker: WorkerState, model: str) -> tuple[int, int]:
+        """(busy, max) batches of ``model`` in flight on ``worker``: ``InflightBounds.limits``."""
+        return self.bounds.limits(worker, model)
+
     def close(self) -> None:
         self._unsubscribe()
         self._wake_all()
@@ -194,7 +128,7 @@ class Router:
         by_version = self._capacities.setdefault(model, {})
         cap = by_version.get(version)
         if cap is None:
-            cap = by_version[version] = ModelCapacity(self, model, version)
+            cap = by_version[version] = ModelCapacity(self.cluster, self.bounds, model, version)
         return cap
 
     def worker_stats(self) -> list[WorkerCounters]:
@@ -219,7 +153,7 @@ class Router:
         if not wait_for_slot:
             replicas = self.cluster.healthy(model, version)
             if replicas:  # none at all: the race below fails fast with Unavailable
-                first = self._pick(replicas, model, set(), busy=True)
+                first = self._pick(replicas, model, set(), busy=True, version=version)
                 if first is None:
                     raise NotSent(f"no replica of model '{model}' can start a batch now")
         capacity = self.capacity(model, version)
@@ -312,8 +246,6 @@ class Router:
             worker.inflight -= 1
             self._slot_freed(worker)
 
-    # ---- replica choice ----------------------------------------------------
-
     def _remaining(self, deadline: float | None) -> float | None:
         return None if deadline is None else deadline - self._clock.now()
 
@@ -326,71 +258,32 @@ class Router:
             if not replicas:
                 which = f"model '{model}' version {version}" if version else f"model '{model}'"
                 raise Unavailable(f"no healthy replica of {which}")
-            worker = self._pick(replicas, model, tried)
+            worker = self._pick(replicas, model, tried, version=version)
             if worker is not None:
                 return worker
             remaining = self._remaining(deadline)
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'")
             capacity = self.capacity(model, version)
-            waiter = capacity._register()
+            waiter = capacity.register()
             try:
                 await asyncio.wait_for(waiter, remaining)
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'") from None
             finally:
-                capacity._waiters.discard(waiter)
+                capacity.forget(waiter)
 
-    def _usable(self, pool: Sequence[WorkerState]) -> list[WorkerState]:
-        """The READY replicas of ``pool`` whose circuit lets an attempt through now."""
-        routable = self.outliers.routable
-        return [w for w in pool if w.state is WorkerStatus.READY and routable(w.address)]
-
-    def limits(self, worker: WorkerState, model: str) -> tuple[int, int]:
-        """(busy, max): batches of ``model`` in flight on ``worker`` at which it is busy, and full.
-
-        Busy at its execution slots (every execution running), full one batch
-        later (one waiting, so the next starts without a round trip), unless
-        the config fixes either bound; a light batching model is busy at one,
-        a heavy one at its slots plus the waiting batch (``gateway.routing.light``).
-        In flight counts the worker's batches of every model: models on one
-        worker share its cores (our worker's one pool).
-        """
-        fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
-        fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
-        served = worker.models.get(model)
-        busy, waiting = fixed_busy or (served.slots if served is not None else 1), 1
-        if not fixed_busy and served is not None and served.config.max_batch_size > 0:
-            # Light: one batch runs, the rest batch up behind it. Heavy: the waiting
-            # batch goes at once, to be on the worker when a slot frees.
-            verdict = self.row_costs.verdict(model)
-            busy, waiting = (busy, 1) if verdict is None else (1, 1) if verdict else (busy + 1, 0)
-        most = fixed_most or busy + waiting
-        return min(busy, most), most
-
-    def _free_slots(self, replicas: Sequence[WorkerState], model: str, *, busy: bool) -> int:
-        """Batches the usable replicas can take before each is busy (or full)."""
-        usable = self._usable(replicas) or [w for w in replicas if w.state is WorkerStatus.READY]
-        free = 0
-        for w in usable:
-            limit = self.limits(w, model)[0 if busy else 1]
-            if w.inflight < limit:
-                free += limit - w.inflight
-        return free
-
-    def _below(self, workers: Sequence[WorkerState], model: str, *, busy: bool = False) -> list[WorkerState]:
-        """The workers below their max (or, with ``busy``, their busy) bound for ``model``."""
-        which = 0 if busy else 1
-        return [w for w in workers if w.inflight < self.limits(w, model)[which]]
+    # ---- candidates: the chooser picks among them --------------------------
 
     def _try_pick(self, model: str, version: str, avoid: set[WorkerState]) -> WorkerState | None:
         """A replica outside ``avoid`` with a free slot and a closed circuit, now or None (second attempts)."""
         pool = [w for w in self.cluster.healthy(model, version) if w not in avoid]
-        candidates = self._below(self._usable(pool), model)
-        return self._least_loaded(candidates, model) if candidates else None
+        candidates = self.bounds.below(self.bounds.usable(pool), model)
+        return self.chooser.choose(model, version, candidates, avoid, self.bounds) if candidates else None
 
     def _pick(
-        self, replicas: Sequence[WorkerState], model: str, tried: set[WorkerState], *, busy: bool = False
+        self, replicas: Sequence[WorkerState], model: str, tried: set[WorkerState], *, busy: bool = False,
+        version: str = "",
     ) -> WorkerState | None:
         # A retry goes to a replica not tried yet while one is healthy, even if
         # it has to wait for its slot; tried ones are reused only when none is left.
@@ -398,39 +291,23 @@ class Router:
         # replica ejected, all of them serve again (panic mode).
         untried = [w for w in replicas if w not in tried] if tried else replicas
         usable = (
-            self._usable(untried)
-            or (self._usable(replicas) if tried else [])
+            self.bounds.usable(untried)
+            or (self.bounds.usable(replicas) if tried else [])
             or [w for w in replicas if w.state is WorkerStatus.READY]
         )
         # busy: only a replica with a free execution slot (the batch starts at once).
-        candidates = self._below(usable, model, busy=busy)
+        candidates = self.bounds.below(usable, model, busy=busy)
         if not candidates:
             return None
-        return self._least_loaded(candidates, model)
-
-    def _least_loaded(self, candidates: Sequence[WorkerState], model: str) -> WorkerState:
-        # Load = batches in flight per execution slot: a replica with more slots takes
-        # more batches before it counts as loaded as a smaller one, and idle replicas
-        # (load 0) stay equals, so light load is shared whatever their sizes.
-        def load(w: WorkerState) -> float:
-            return w.inflight / self.limits(w, model)[0]
-
-        if len(candidates) > P2C_THRESHOLD:
-            a, b = self._rng.sample(candidates, 2)
-            return a if load(a) <= load(b) else b
-        loads = [load(w) for w in candidates]
-        least = min(loads)
-        best = [w for w, n in zip(candidates, loads) if n == least]
-        # Random among equals so idle replicas share light load.
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+        return self.chooser.choose(model, version, candidates, tried, self.bounds)
 
     # ---- wake-ups ----------------------------------------------------------
 
     def _slot_freed(self, worker: WorkerState) -> None:
         for name in worker.models:
             for cap in self._capacities.get(name, {}).values():
-                if cap._waiters:
-                    cap._wake()
+                if cap.waiting:
+                    cap.wake()
 
     def _cluster_changed(self) -> None:
         self.outliers.sync((w.address, w.is_up) for w in self.cluster.workers())
@@ -439,7 +316,7 @@ class Router:
     def _wake_all(self) -> None:
         for by_version in self._capacities.values():
             for cap in by_version.values():
-                cap._wake()
+                cap.wake()
 
 
 def _rows(request: service_pb2.ModelInferRequest | wire.RawInferRequest) -> int:

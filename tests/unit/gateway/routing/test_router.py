@@ -147,7 +147,7 @@ async def test_busy_bound_is_capped_by_the_inflight_bound() -> None:
     cluster, _ = await started("a:1")
     router = Router(cluster, max_inflight_per_replica=2, busy_inflight_per_replica=5)
     try:
-        assert router.busy_inflight_per_replica == 2
+        assert router.bounds.busy_inflight_per_replica == 2
         cluster.workers()[0].inflight = 1
         assert router.capacity("m").has_capacity()  # busy only at 2: the old "free slot" meaning
         cluster.workers()[0].inflight = 2
