@@ -106,6 +106,8 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=None,
                         help="explicit (default): clients may load and unload models through the gateway; "
                              "none: such requests are refused (the gateway's own placement still loads)")
+    parser.add_argument("--server-name", default=None, metavar="NAME",
+                        help="the name server metadata gives (default infergate); `triton` for clients that check it")
     parser.add_argument("--cache-size", type=int, default=None, metavar="BYTES",
                         help="response cache size in bytes (default 0, off); models with "
                              "`response_cache { enable: true }` in their config.pbtxt are answered from it")
@@ -117,6 +119,7 @@ def add_triton_arguments(parser: argparse.ArgumentParser) -> None:
 
 def triton_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"strict_readiness": args.strict_readiness, "model_control_mode": args.model_control_mode,
+            "server_name": args.server_name,
             "cache": {"size_bytes": args.cache_size}, "trace_config": args.trace_config}
 
 

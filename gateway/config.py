@@ -261,6 +261,8 @@ def _validate(config: GatewayConfig) -> None:
     for key, allowed in choices.items():
         if getattr(config, key) not in allowed:
             raise ConfigError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+    if not isinstance(config.server_name, str) or not config.server_name.strip():
+        raise ConfigError(f"server_name must be a non-empty string, got {config.server_name!r}")
     for key in ("max_request_bytes", "default_timeout_s"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")

@@ -342,6 +342,9 @@ class GatewayConfig:
     # Triton's --model-control-mode: "explicit" lets clients load and unload
     # models through the gateway; "none" refuses them (placement still loads).
     model_control_mode: str = "explicit"
+    # The `name` server metadata gives (HTTP `GET /v2`, gRPC ServerMetadata): "triton"
+    # lets a fleet keep clients that check it while they move to the gateway.
+    server_name: str = "infergate"
     # The workers' repository, read only to split the logical models declared with `from:` (`up` fills it in).
     model_repository: str = ""
     batching: BatchingSettings = field(default_factory=BatchingSettings)

@@ -121,6 +121,31 @@ def element_count(shape: Sequence[int]) -> int:
     return count
 
 
+def checked_element_count(
+    datatype: str, shape: Sequence[int], *, name: str | None = None, role: str = "input", model: str | None = None
+) -> int:
+    """``element_count`` of a tensor's shape, refusing what passes int64 as Triton does.
+
+    Checked in Triton's order, before anything counts the tensor's data: the
+    element count first ("... causes total element count to exceed maximum
+    size of ..."), then the byte size ("byte size overflow for input ...").
+    """
+    count = element_count(shape)
+    what = _label(name, role)
+    for_model = f" for model '{model}'" if model else ""
+    if count > MAX_TENSOR_BYTES:
+        raise CodecError(
+            f"{what}{for_model}: shape {_fmt_shape(shape)} causes total element count to exceed maximum size of "
+            f"{MAX_TENSOR_BYTES}"
+        )
+    if datatype != "BYTES" and _ITEMSIZE[datatype] * count > MAX_TENSOR_BYTES:
+        raise CodecError(
+            f"byte size overflow for {what}{for_model}: {datatype} {_fmt_shape(shape)} would take "
+            f"{_ITEMSIZE[datatype] * count} bytes, more than the {MAX_TENSOR_BYTES} a tensor may hold"
+        )
+    return count
+
+
 def byte_size(datatype: str, shape: Sequence[int]) -> int | None:
     """Raw size in bytes of a fixed-size tensor; None for BYTES (variable size)."""
     _check_datatype(datatype)
@@ -249,7 +274,7 @@ def validate_raw(
     and shape.
     """
     _check_datatype(datatype)
-    count = element_count(shape)
+    count = checked_element_count(datatype, shape, name=name, role=role, model=model)
     what = _label(name, role)
     for_model = f" for model '{model}'" if model else ""
     if datatype == "BYTES":
@@ -261,11 +286,6 @@ def validate_raw(
             )
         return
     size = _ITEMSIZE[datatype] * count
-    if size > MAX_TENSOR_BYTES:
-        raise CodecError(
-            f"byte size overflow for {what}{for_model}: {datatype} {_fmt_shape(shape)} would take {size} bytes, "
-            f"more than the {MAX_TENSOR_BYTES} a tensor may hold"
-        )
     got = memoryview(raw).nbytes
     if got != size:
         raise CodecError(

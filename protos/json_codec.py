@@ -24,11 +24,10 @@ from protos.codec import (
     Buffer,
     CodecError,
     _check_datatype,
-    _fmt_shape,
     _label,
     _serialize_items,
+    checked_element_count,
     decode,
-    element_count,
     numpy_dtype,
 )
 
@@ -66,11 +65,12 @@ def _first_branch_depth(data: list[Any]) -> int:
     return depth
 
 
-def _count_error(what: str, datatype: str, shape: Sequence[int], count: int, got: int) -> CodecError:
-    return CodecError(
-        f"Failed to parse 'data' field: shape does not match true shape of 'data' field for {what}: "
-        f"expected {count} elements for {datatype} {_fmt_shape(shape)}, got {got}"
-    )
+# Triton's words, whole, for too many and too few elements alike.
+COUNT_MESSAGE = "Unable to parse 'data': Shape does not match true shape of 'data' field"
+
+
+def _count_error() -> CodecError:
+    return CodecError(COUNT_MESSAGE)
 
 
 def json_to_raw(
@@ -83,13 +83,13 @@ def json_to_raw(
     """
     _check_datatype(datatype)
     what = _label(name, "input")
-    count = element_count(shape)
+    count = checked_element_count(datatype, shape, name=name)
     if not isinstance(data, list):
         raise CodecError(f"{what}: 'data' must be a list, got {type(data).__name__}")
     if datatype == "BYTES":
         flat = _flatten(data, what)
         if len(flat) != count:
-            raise _count_error(what, datatype, shape, count, len(flat))
+            raise _count_error()
         for index, item in enumerate(flat):
             if not isinstance(item, (str, bytes)):
                 raise CodecError(f"{what}: BYTES element {index} must be a string, got {type(item).__name__}")
@@ -105,7 +105,7 @@ def json_to_raw(
         data = _flatten(data, what)
         arr = np.array(data)
     if arr.size != count:
-        raise _count_error(what, datatype, shape, count, arr.size)
+        raise _count_error()
     if count == 0:
         return b""
     kind = arr.dtype.kind

@@ -130,7 +130,7 @@ class Gateway:
         return problems
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
-        return service_pb2.ServerMetadataResponse(name="infergate", version=__version__, extensions=EXTENSIONS)
+        return service_pb2.ServerMetadataResponse(name=self.config.server_name, version=__version__, extensions=EXTENSIONS)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.models.ready(name, version)

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2
 from gateway.core.parts import GatewayParts
 from gateway.ensembles.plan import is_ensemble
 from gateway.ensembles.readiness import missing_step
+from gateway.requests.versions import model_version
 from protos.errors import ModelNotFound, Unavailable
 
 
@@ -43,6 +44,8 @@ class ModelCatalog:
             raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
         versions = info.versions
         if version:
+            if version not in versions:
+                version = model_version(version)  # Triton's reading of it (or its refusal), then the lookup
             if version not in versions:
                 raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not found")
             return info, version

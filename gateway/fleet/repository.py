@@ -124,20 +124,35 @@ async def load(cluster: Cluster, name: str, parameters: dict[str, service_pb2.Mo
         raise _as_load_failure(exc, name) from None
 
 
-# Messages that are already Triton's own words for a refused load.
-_TRITON_LOAD_WORDS = ("failed to load '", "Load parameter ", "explicit model load / unload is not allowed")
+# Triton's words for a refused load that say why themselves: passed on as they are.
+_TRITON_LOAD_WORDS = ("explicit model load / unload is not allowed",)
+# What Triton writes only to its log when override files come without a config;
+# its client sees that the model could not be polled.
+_NO_CONFIG = "Load parameter 'config' must be specified for model file override"
 
 
 def _as_load_failure(exc: InferGateError, name: str) -> InferGateError:
-    """``exc`` reworded as Triton words a failed load ("failed to load 'M'"), its detail after; same class."""
-    if exc.message.startswith(_TRITON_LOAD_WORDS):
+    """``exc`` reworded as Triton words a failed load, same class.
+
+    A model Triton cannot poll is "failed to load 'M', failed to poll from
+    model repository" (also for override files without a config, whose reason
+    goes to the log); a model that fails to load is "load failed for model
+    'M': ", then the cause, as Triton's model repository manager words it.
+    """
+    message = exc.message
+    if message.startswith(_TRITON_LOAD_WORDS) or message.startswith(f"failed to load '{name}', "):
         return exc
-    detail = exc.message
-    stale = f"load failed for model '{name}': "  # older Triton servers' wording of the same thing
-    if detail.startswith(stale):
-        detail = detail[len(stale):]
-    exc.message = f"failed to load '{name}': {detail}"
-    exc.args = (exc.message,)
+    if message.startswith(_NO_CONFIG):
+        log.warning("load of model %s refused: %s", name, message)
+        message = f"failed to load '{name}', failed to poll from model repository"
+    else:
+        for ours in (f"failed to load '{name}': ", f"load failed for model '{name}': "):
+            if message.startswith(ours):
+                message = message[len(ours):]
+        log.warning("load failed for model %s: %s", name, message)
+        message = f"load failed for model '{name}': {message}"
+    exc.message = message
+    exc.args = (message,)
     return exc
 
 

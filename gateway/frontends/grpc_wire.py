@@ -99,6 +99,14 @@ def decode_infer_request(
     # Per request: protobuf field reads are the cost here, so each is read once.
     decoded = [_tensor_parameters(t.parameters, "input", t.name, shm) for t in pb.inputs]
     in_body = sum(1 for _, window in decoded if window is None)
+    if raw:
+        # Triton checks each input before the entry count: a typed `contents` beside raw contents is named first.
+        for tensor, (_, window) in zip(pb.inputs, decoded):
+            if window is None and tensor.HasField("contents"):
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for '{tensor.name}' "
+                    f"for model '{pb.model_name}'"
+                )
     if raw and len(raw) != in_body:
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries for {in_body} inputs; when "
@@ -113,11 +121,6 @@ def decode_infer_request(
             inputs.append(Tensor(name, tensor.datatype, shape, window.read(), params))
             continue
         if raw:
-            if tensor.HasField("contents"):
-                raise InvalidArgument(
-                    f"contents field must not be specified when using raw_input_contents for '{name}' "
-                    f"for model '{pb.model_name}'"
-                )
             data: bytes | memoryview = raw[index]
             index += 1
         else:

@@ -42,11 +42,13 @@ from gateway.frontends.http_errors import error_response
 from gateway.frontends.http_extensions import add_extension_routes
 from gateway.frontends.http_json import (
     bool_field,
+    index_ready,
     load_parameters,
     message_to_json,
     repository_index_to_json,
     worker_statistics_json,
 )
+from gateway.frontends.http_parse_errors import SERVER_LOG
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
@@ -105,6 +107,8 @@ def create_http_app(
             # A client that hangs up cancels its request, so the batcher drops
             # it instead of running it for nobody.
             "handler_cancellation": True,
+            # A request the parser refuses is logged in one line, without a traceback.
+            "logger": SERVER_LOG,
         },
     )
     add = app.router
@@ -219,8 +223,7 @@ class _HttpApi:
     # --- repository --------------------------------------------------------
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        doc = parse_json_object(await self._read_body(request), "repository index request")
-        ready_only = bool_field(doc, "ready", "repository index request")
+        ready_only = index_ready(await self._read_body(request))
         return _json(repository_index_to_json(await self._core.repository_index(ready_only)))
 
     async def load(self, request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ import binascii
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from tritonclient.grpc import service_pb2
@@ -127,6 +128,32 @@ def _load_parameter(key: str, value: Any) -> service_pb2.ModelRepositoryParamete
     except ValueError:  # an integer beyond int64
         raise InvalidArgument(f"load parameter '{key}' is out of range") from None
     return param
+
+
+INDEX_READY_MESSAGE = "Invalid value for 'ready': expected a boolean"
+
+
+def index_ready(body: bytes | bytearray | memoryview) -> bool:
+    """The ``ready`` flag of a ``/v2/repository/index`` body (False when empty), in Triton's words.
+
+    Triton's parser takes a body nested deeper than orjson's 1024 levels and
+    only then finds that ``ready`` is not a boolean; such a body is answered
+    with the same words here.
+    """
+    if memoryview(body).nbytes == 0:
+        return False
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):
+            raise InvalidArgument(INDEX_READY_MESSAGE) from None
+        raise InvalidArgument(f"repository index request: malformed JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("repository index request: expected a JSON object")
+    ready = doc.get("ready", False)
+    if not isinstance(ready, bool):
+        raise InvalidArgument(INDEX_READY_MESSAGE)
+    return ready
 
 
 def bool_field(doc: Mapping[str, Any], key: str, what: str) -> bool:

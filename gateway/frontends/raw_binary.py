@@ -62,7 +62,7 @@ def decode_raw_request(
     size = memoryview(body).nbytes
     if datatype == "BYTES":
         if variable is not None or fixed_count != 1:
-            raise InvalidArgument("For BYTE datatype raw input, the model must have input shape [1]")
+            raise InvalidArgument(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
         data: Buffer = size.to_bytes(4, "little") + bytes(body)
     else:
         if variable is not None:

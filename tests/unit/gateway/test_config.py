@@ -165,3 +165,17 @@ def test_settings_import_nothing_of_the_project() -> None:
     modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     modules |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert all(m.split(".")[0] in sys.stdlib_module_names for m in modules), modules
+
+
+def test_server_name_defaults_to_infergate_and_is_read_from_file_and_flag(tmp_path: Path) -> None:
+    assert load_config().server_name == "infergate"
+    path = write(tmp_path, "server_name: triton\n")
+    assert load_config(path).server_name == "triton"
+    assert load_config(path, server_name="edge").server_name == "edge"  # the flag wins over the file
+    with pytest.raises(ConfigError, match="server_name must be a non-empty string"):
+        load_config(write(tmp_path, "server_name: ''\n"))
+    from gateway.app import add_arguments, triton_overrides
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert triton_overrides(parser.parse_args(["--server-name", "triton"]))["server_name"] == "triton"
+    assert triton_overrides(parser.parse_args([]))["server_name"] is None

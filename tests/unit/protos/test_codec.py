@@ -236,8 +236,14 @@ def test_validate_raw_messages() -> None:
     assert str(info.value).startswith("input byte size mismatch for input 'X' for model 'mlp'. Expected 256, got 255")
     with pytest.raises(codec.CodecError, match=r"^output byte size mismatch for output 'Y'. Expected 0, got 8 "):
         codec.validate_raw("INT64", [0, 3], b"\0" * 8, name="Y", role="output")
-    with pytest.raises(codec.CodecError, match=r"^byte size overflow for input 'Z' for model 'm': FP32 \[4611686018427387904,64\]"):
+    # Triton's order: the element count's overflow, then the byte size's, before the data is counted.
+    with pytest.raises(codec.CodecError, match=r"^input 'Z' for model 'm': shape \[4611686018427387904,64\] causes "
+                                               r"total element count to exceed maximum size of 9223372036854775807$"):
         codec.validate_raw("FP32", [2**62, 64], b"", name="Z", model="m")
+    with pytest.raises(codec.CodecError, match=r"^byte size overflow for input 'Z' for model 'm': FP32 \[1152921504606846978,4\]"):
+        codec.validate_raw("FP32", [2**60 + 2, 4], b"", name="Z", model="m")
+    with pytest.raises(codec.CodecError, match="causes total element count to exceed maximum size of"):
+        codec.validate_raw("BYTES", [2**40, 2**40], b"", name="Z")
     with pytest.raises(codec.CodecError, match=r"^tensor: BYTES \[1\] has 1 bytes after its 1 elements$"):
         codec.validate_raw("BYTES", [1], b"\0\0\0\0x")
     with pytest.raises(codec.CodecError, match="ends after 1 of 2 elements"):

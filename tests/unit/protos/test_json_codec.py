@@ -76,13 +76,22 @@ def test_json_errors(datatype: str, shape: list[int], data: object, message: str
     [("FP32", [3], [1, 2], 2), ("FP32", [3], [[1, 2], [3, 4]], 4), ("BYTES", [2], ["a"], 1), ("BYTES", [1], [["a", "b"]], 2)],
 )
 def test_json_element_count_mismatch_in_tritons_words(datatype: str, shape: list[int], data: object, got: int) -> None:
+    # Too few and too many alike: Triton's whole message, nothing after it.
     with pytest.raises(codec.CodecError) as info:
         json_codec.json_to_raw(datatype, shape, data, name="in")
-    count = shape[0]
-    assert str(info.value) == (
-        "Failed to parse 'data' field: shape does not match true shape of 'data' field for input 'in': "
-        f"expected {count} elements for {datatype} [{count}], got {got}"
-    )
+    assert str(info.value) == "Unable to parse 'data': Shape does not match true shape of 'data' field"
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [([2**4, 2**60 + 2], "causes total element count to exceed maximum size of"),
+     ([2**2, 2**60 + 2], "byte size overflow for input 'in'")],
+    ids=["element-count", "byte-size"],
+)
+def test_json_overflow_checked_before_the_data_count(shape: list[int], words: str) -> None:
+    # Triton's test_buffer_size_overflow: one value for a shape past int64 meets the overflow checks first.
+    with pytest.raises(codec.CodecError, match=words):
+        json_codec.json_to_raw("FP32", shape, [1.0], name="in")
 
 
 def _nested(depth: int, values: list[object]) -> list[object]:

@@ -55,9 +55,20 @@ def test_typed_contents_become_raw(datatype: str, field: str, values: list, dtyp
 
 def test_raw_contents_must_cover_every_input() -> None:
     pb = _raw_request(A=np.zeros(2, np.float32))
-    pb.inputs.add(name="B", datatype="INT32", shape=[1]).contents.int_contents.append(1)
+    pb.inputs.add(name="B", datatype="INT32", shape=[1])
     with pytest.raises(InvalidArgument, match="every input"):
         decode_infer_request(pb)
+
+
+def test_contents_beside_raw_contents_named_before_the_entry_count() -> None:
+    # Triton checks each input before counting raw_input_contents: the input with contents is named.
+    pb = _raw_request(A=np.zeros(2, np.float32))
+    pb.inputs.add(name="B", datatype="INT32", shape=[1]).contents.int_contents.append(1)
+    with pytest.raises(InvalidArgument) as info:
+        decode_infer_request(pb)
+    assert str(info.value) == (
+        f"contents field must not be specified when using raw_input_contents for 'B' for model '{pb.model_name}'"
+    )
 
 
 def test_contents_beside_raw_contents_rejected() -> None:

@@ -53,8 +53,8 @@ def test_bytes_input_is_one_length_prefixed_element() -> None:
          "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'm' model configuration"),
         ((("X", mc.TYPE_FP32, [-1, -1]),),
          "The shape of the raw input 'X' can not be deduced because there are more than one variable-sized dimension"),
-        ((("S", mc.TYPE_STRING, [-1]),), "For BYTE datatype raw input, the model must have input shape [1]"),
-        ((("S", mc.TYPE_STRING, [2]),), "For BYTE datatype raw input, the model must have input shape [1]"),
+        ((("S", mc.TYPE_STRING, [-1]),), "For BYTE datatype raw input 'S', the model must have input shape [1]"),
+        ((("S", mc.TYPE_STRING, [2]),), "For BYTE datatype raw input 'S', the model must have input shape [1]"),
     ],
     ids=["two-inputs", "two-variable-dims", "bytes-variable", "bytes-two-elements"],
 )
