@@ -13,6 +13,7 @@ import gzip
 import http.client
 import json
 import logging
+import socket
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +107,27 @@ def test_routing_errors_are_json(server: Server) -> None:
     assert_error(status, body, 404)
 
 
+def test_chunked_with_content_length_refused_with_one_log_line(server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    # Both framings at once is the request-smuggling pattern RFC 9112 section 6.3 lets a server refuse:
+    # a 400 naming the conflict, the connection closed, and one warning line instead of a traceback.
+    body = b"8\r\n" + bytes(8) + b"\r\n0\r\n\r\n"
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: test\r\nInference-Header-Content-Length: 0\r\n"
+            b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n" % len(body))
+    host, port = server.url.split(":")
+    with caplog.at_level(logging.DEBUG), socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(head + body)
+        answer = b""
+        while chunk := conn.recv(65536):  # the server closes the connection after answering
+            answer += chunk
+    status_line, _, text = answer.partition(b"\r\n")
+    assert status_line.split()[1] == b"400", answer
+    assert b"Content-Length can't be present with Transfer-Encoding" in text
+    refused = [r for r in caplog.records if "malformed HTTP request" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING and refused[0].exc_info is None
+    assert refused[0].getMessage().endswith("(400): Content-Length can't be present with Transfer-Encoding")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
 
 BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("empty body", b"", {}, 400, "empty"),
@@ -119,7 +141,7 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("negative dim", orjson.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [-2], "data": []}]}),
      {}, 400, "shape"),
     ("data count", orjson.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [3], "data": [1, 2]}]}),
-     {}, 400, "expected 3 elements"),
+     {}, 400, "Shape does not match true shape of 'data' field"),
     ("bad dtype", orjson.dumps({"inputs": [{"name": "X", "datatype": "FP33", "shape": [1], "data": [1]}]}),
      {}, 400, "datatype"),
     ("string in ints", orjson.dumps({"inputs": [{"name": "X", "datatype": "INT32", "shape": [1], "data": ["1"]}]}),

@@ -1,6 +1,10 @@
-"""Load failures through the gateway's repository extension start with
-Triton's words, "failed to load '<model>'", then infergate's detail; over
-HTTP and gRPC, for a model that does not exist and one that cannot be built."""
+"""Load failures through the gateway's repository extension in the words
+Triton's client sees, over HTTP and gRPC: a model that does not exist
+("failed to load 'M', failed to poll from model repository"), one that
+cannot be built ("load failed for model 'M': " then the cause), override
+files without a config (the poll failure; the reason goes to the log).
+The gateway runs with ``--server-name triton``, as a fleet moving clients
+that check the server's name would."""
 
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ BROKEN_FILES = {"file:1/model.onnx": b"this is not an onnx graph"}
 
 @pytest.fixture(scope="module")
 def cluster(model_repo: Path) -> Iterator[Proc]:
-    proc = start(["up", "--workers", "1", "--model-repository", str(model_repo), "--http-port", "0", "--grpc-port", "0"])
+    proc = start(["up", "--workers", "1", "--model-repository", str(model_repo), "--http-port", "0", "--grpc-port", "0",
+                  "--server-name", "triton"])
     try:
         yield proc
     finally:
@@ -37,12 +42,13 @@ def test_http_load_failures_start_with_tritons_words(cluster: Proc) -> None:
     try:
         with pytest.raises(InferenceServerException) as info:
             client.load_model("ghost")
-        assert info.value.message().startswith("failed to load 'ghost'"), info.value.message()
+        assert info.value.message() == "failed to load 'ghost', failed to poll from model repository"
         with pytest.raises(InferenceServerException) as info:
             client.load_model("broken", config=BROKEN_CONFIG, files=BROKEN_FILES)
         message = info.value.message()
-        assert message.startswith("failed to load 'broken'"), message
-        assert len(message) > len("failed to load 'broken'") + 2  # the cause follows
+        assert message.startswith("load failed for model 'broken': "), message
+        assert len(message) > len("load failed for model 'broken': ") + 2  # the cause follows
+        assert info.value.status() == "400"
     finally:
         client.close()
 
@@ -52,20 +58,33 @@ def test_grpc_load_failures_start_with_tritons_words(cluster: Proc) -> None:
     try:
         with pytest.raises(InferenceServerException) as info:
             client.load_model("ghost")
-        assert info.value.message().startswith("failed to load 'ghost'"), info.value.message()
+        assert info.value.message() == "failed to load 'ghost', failed to poll from model repository"
         with pytest.raises(InferenceServerException) as info:
             client.load_model("broken", config=BROKEN_CONFIG, files=BROKEN_FILES)
-        assert info.value.message().startswith("failed to load 'broken'"), info.value.message()
+        assert info.value.message().startswith("load failed for model 'broken': "), info.value.message()
         assert info.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
     finally:
         client.close()
 
 
-def test_file_override_without_config_keeps_tritons_own_words(cluster: Proc) -> None:
-    client = httpclient.InferenceServerClient(http_url(cluster))
+def test_file_override_without_config_is_a_poll_failure_to_the_client(cluster: Proc) -> None:
+    for client in (httpclient.InferenceServerClient(http_url(cluster)),
+                   grpcclient.InferenceServerClient(grpc_url(cluster))):
+        try:
+            with pytest.raises(InferenceServerException) as info:
+                client.load_model("simple", files={"file:1/model.onnx": base64.b64decode(b"AAAA")})
+            assert info.value.message() == "failed to load 'simple', failed to poll from model repository"
+            assert info.value.status() in ("400", str(grpc.StatusCode.INVALID_ARGUMENT))
+        finally:
+            client.close()
+
+
+def test_server_name_is_the_one_given(cluster: Proc) -> None:
+    http_client = httpclient.InferenceServerClient(http_url(cluster))
+    grpc_client = grpcclient.InferenceServerClient(grpc_url(cluster))
     try:
-        with pytest.raises(InferenceServerException,
-                           match="Load parameter 'config' must be specified for model file override"):
-            client.load_model("simple", files={"file:1/model.onnx": base64.b64decode(b"AAAA")})
+        assert http_client.get_server_metadata()["name"] == "triton"
+        assert grpc_client.get_server_metadata().name == "triton"
     finally:
-        client.close()
+        http_client.close()
+        grpc_client.close()

@@ -99,7 +99,7 @@ def test_raw_binary_bytes_input_is_one_element(cluster: Proc) -> None:
     [
         ("simple", bytes(128),
          "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'simple' model configuration"),
-        ("identity_string", b"abc", "For BYTE datatype raw input, the model must have input shape [1]"),
+        ("identity_string", b"abc", "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]"),
         ("mlp", bytes(12), "input byte size mismatch for input 'INPUT' for model 'mlp'. Expected 256, got 12"),
     ],
     ids=["two-inputs", "bytes-not-one-element", "wrong-size"],
@@ -209,19 +209,58 @@ def test_contents_beside_raw_input_contents_in_tritons_words(cluster: Proc) -> N
 
 
 def test_json_element_count_mismatch_in_tritons_words(cluster: Proc) -> None:
+    # Triton's L0_http cases: too few and too many elements get the same words, whole.
     for count in (15, 18):
         doc = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * count}]}
         status, body, _ = post(cluster, "/v2/models/mlp/infer", json.dumps(doc).encode())
         assert status == 400
-        assert error_of(body).startswith("Failed to parse 'data' field: shape does not match true shape"), body
+        assert body == b"{\"error\":\"Unable to parse 'data': Shape does not match true shape of 'data' field\"}", body
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [([2**4, 2**60 + 2], "causes total element count to exceed maximum size of"),
+     ([2**2, 2**60 + 2], "byte size overflow for input")],
+    ids=["element-count", "byte-size"],
+)
+def test_shape_overflows_answered_before_the_data_count(cluster: Proc, shape: list[int], words: str) -> None:
+    # Triton's test_buffer_size_overflow: one value for a shape past int64.
+    doc = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": shape, "data": [1.0]}]}
+    status, body, _ = post(cluster, "/v2/models/mlp/infer", json.dumps(doc).encode(), {"Content-Type": "application/json"})
+    assert status == 400
+    assert words in error_of(body), body
 
 
 def test_byte_size_overflow_is_refused(cluster: Proc) -> None:
-    doc = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [2**62, 64], "parameters": {"binary_data_size": 0}}]}
+    doc = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [2**60 + 2, 4], "parameters": {"binary_data_size": 0}}]}
     head = json.dumps(doc).encode()
     status, body, _ = post(cluster, "/v2/models/mlp/infer", head, {"Inference-Header-Content-Length": str(len(head))})
     assert status == 400
     assert "byte size overflow" in error_of(body)
+
+
+def test_unreadable_version_is_invalid_argument_in_tritons_words(cluster: Proc) -> None:
+    words = "failed to get model version from specified version string"
+    # HTTP's route takes digits only, as Triton's; a number past int64 is what std::stol refuses.
+    http_client = httpclient.InferenceServerClient(http_url(cluster))
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            http_client.get_model_metadata("simple", "99999999999999999999")
+        assert info.value.status() == "400" and info.value.message().startswith(words), info.value.message()
+    finally:
+        http_client.close()
+    client = grpcclient.InferenceServerClient(grpc_url(cluster))
+    try:
+        for version in ("abc", "99999999999999999999"):
+            with pytest.raises(InferenceServerException) as info:
+                client.get_model_metadata("simple", version)
+            assert info.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+            assert info.value.message() == (
+                f"{words} '{version}' (details: stol), version should be an integral value > 0"
+            )
+        assert client.get_model_metadata("simple", "01").name == "simple"  # std::stol reads "01" as 1
+    finally:
+        client.close()
 
 
 def test_advertised_extensions_are_standard(cluster: Proc) -> None:
