@@ -24,8 +24,8 @@ from protos.codec import (
     _fmt_shape,
     _label,
     _serialize_items,
+    checked_element_count,
     deserialize_bytes_tensor,
-    element_count,
 )
 
 # Typed contents field of each datatype, and the numpy dtype its values have.
@@ -60,7 +60,7 @@ def contents_to_raw(
         raise CodecError(f"{what}: {datatype} has no typed contents field; send it in raw_input_contents")
     field, wire = _CONTENTS[datatype]
     values = getattr(contents, field)
-    count = element_count(shape)
+    count = checked_element_count(datatype, shape, name=name)  # Triton's overflow checks come before the count
     if len(values) != count:
         used = [f.name for f, _ in contents.ListFields()]
         hint = f" (data found in {', '.join(used)})" if used and field not in used else ""

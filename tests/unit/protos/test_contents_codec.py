@@ -69,3 +69,11 @@ def test_contents_errors() -> None:
         contents_codec.raw_to_contents("INT32", b"\0" * 5)
     ok = contents_codec.contents_to_raw("INT8", [2], service_pb2.InferTensorContents(int_contents=[-128, 127]))
     assert ok == b"\x80\x7f"
+
+
+def test_shape_overflow_answered_before_the_value_count() -> None:
+    contents = service_pb2.InferTensorContents(fp32_contents=[1.0])
+    with pytest.raises(codec.CodecError, match="causes total element count to exceed maximum size of"):
+        contents_codec.contents_to_raw("FP32", [2**4, 2**60 + 2], contents, name="X")
+    with pytest.raises(codec.CodecError, match="^byte size overflow for input 'X'"):
+        contents_codec.contents_to_raw("FP32", [2**2, 2**60 + 2], contents, name="X")
