@@ -120,8 +120,11 @@ _module_numbers = itertools.count()
 
 def config_as_json(config: mc.ModelConfig) -> str:
     """The config as the JSON string Triton gives ``initialize``: proto field names, every field, numbers as numbers."""
+    normalized = mc.ModelConfig()
+    normalized.CopyFrom(config)
+    normalized.model_transaction_policy.SetInParent()  # Triton's normalised config always has it
     as_dict = json_format.MessageToDict(
-        config, always_print_fields_with_no_presence=True, preserving_proto_field_name=True, unquote_int64_if_possible=True
+        normalized, always_print_fields_with_no_presence=True, preserving_proto_field_name=True, unquote_int64_if_possible=True
     )
     return json.dumps(as_dict)
 
