@@ -223,10 +223,13 @@ class PythonInstance:
         )  # fmt: skip
         return request, sender
 
-    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str],
-                    context: RequestContext | None = None) -> dict[str, np.ndarray]:  # fmt: skip
-        """An ordinary (not decoupled) request: ``execute`` returns its one response."""
-        context = context or RequestContext("", {}, output_names)
+    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        """An ordinary (not decoupled) request with no id or parameters (warmup samples)."""
+        return await self.infer_with_context(inputs, output_names, RequestContext("", {}, output_names))
+
+    async def infer_with_context(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str],
+                                 context: RequestContext) -> dict[str, np.ndarray]:  # fmt: skip
+        """An ordinary (not decoupled) request: ``execute`` returns its one response (or sends it)."""
         cancelled = threading.Event()
         slot = _ResponseSlot(cancelled)
         request, _ = self._request(inputs, context, slot)

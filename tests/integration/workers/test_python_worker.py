@@ -44,6 +44,8 @@ class TritonPythonModel:
             if (b < 0).any():
                 raise ValueError("negative B")
             outputs = [pb_utils.Tensor("SUM", (a + b).astype(self.dtype)), pb_utils.Tensor("QUOT", a // b)]
+            if json.loads(request.parameters()).get("echo_id"):
+                outputs = [pb_utils.Tensor("SUM", np.full_like(a, len(request.request_id()))), outputs[1]]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses
 '''
@@ -86,6 +88,12 @@ def test_unary_infer_runs_model_py(client: grpcclient.InferenceServerClient) -> 
     assert result.as_numpy("QUOT").tolist() == [[3, 3], [1, 2]]
     only = client.infer("adder", infer_inputs(feeds([[4, 4]], [[2, 2]])), outputs=[grpcclient.InferRequestedOutput("QUOT")])
     assert [o.name for o in only.get_response().outputs] == ["QUOT"]
+
+
+def test_model_reads_the_request_id_and_parameters(client: grpcclient.InferenceServerClient) -> None:
+    result = client.infer("adder", infer_inputs(feeds([[1, 1]], [[1, 1]])), request_id="abcde",
+                          parameters={"echo_id": True})
+    assert result.as_numpy("SUM").tolist() == [[5, 5]]  # len("abcde"), from request_id()
 
 
 def test_model_errors_map_to_codes(client: grpcclient.InferenceServerClient) -> None:
