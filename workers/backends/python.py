@@ -168,14 +168,16 @@ class _StreamSink:
         self.end(Internal(f"the model released request '{self._request_id}' without sending its final response"))
 
     def _deliver(self, event: StreamEvent, ending: bool) -> None:
+        # Scheduled under the lock: events reach the loop in the order they were accepted,
+        # and nothing after the one that ended the request.
         with self._lock:
             if self._ended:
                 return
             self._ended = ending
-        if self._cancelled.is_set():
-            return  # nobody listens any more
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is exiting
-            self._loop.call_soon_threadsafe(self._emit, event)
+            if self._cancelled.is_set():
+                return  # nobody listens any more
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is exiting
+                self._loop.call_soon_threadsafe(self._emit, event)
 
 
 class _ResponseSlot:
