@@ -81,9 +81,9 @@ def model_error(error: api.TritonError) -> InferGateError:
     return _ERROR_BY_CODE.get(error.code(), Internal)(error.message())
 
 
-def execute_failure(model: str, exc: BaseException) -> InferGateError:
-    """An exception out of ``execute``, in the Python backend's words."""
-    return Internal(f"Failed to process the request(s) for model '{model}', message: {type(exc).__name__}: {exc}")
+def execute_failure(exc: BaseException) -> InferGateError:
+    """An exception out of ``execute``, as Triton's Python backend words it (without its traceback)."""
+    return Internal(f"{type(exc).__name__}: {exc}")
 
 
 # --- the triton_python_backend_utils module -------------------------------------
@@ -246,7 +246,7 @@ class PythonInstance:
         try:
             responses = self._model.execute([request])
         except Exception as exc:
-            raise execute_failure(self._name, exc) from None
+            raise execute_failure(exc) from None
         if responses is None and slot.response is not None:
             return slot.response  # sent through the response sender
         if not isinstance(responses, (list, tuple)) or len(responses) != 1 \
@@ -270,7 +270,7 @@ class PythonInstance:
             result = self._model.execute(requests)
         except Exception as exc:
             # Caught here, not left in the future: its traceback would keep the request alive.
-            sink.end(execute_failure(self._name, exc))
+            sink.end(execute_failure(exc))
             return
         if result is not None:
             logger.warning("model %s: decoupled execute returned %r; responses go through the response sender",
