@@ -2,11 +2,13 @@
 them) in a real Triton Inference Server (tests/triton_harness.py): the same
 ``square_int32`` and ``repeat_int32`` answers as from ``infergate worker``,
 which proves the files are in Triton's format and our worker's semantics are
-Triton's (final flags, the empty final response, the unary refusal).
+Triton's (final flags, the empty final response, errors, the unary refusal,
+a cancelled stream reaching the model).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -82,6 +84,22 @@ def test_errors_as_on_the_worker(client: grpcclient.InferenceServerClient) -> No
     stream.send("square_int32", square(1), "after")
     assert len(stream.until_final("after")) == 2
     stream.close()
+
+
+def test_cancelled_stream_stops_the_model(client: grpcclient.InferenceServerClient) -> None:
+    def executions() -> int:
+        return client.get_inference_statistics("repeat_int32").model_stats[0].execution_count
+
+    before = executions()
+    stream = Stream(client)
+    stream.send("repeat_int32", repeat(list(range(400)), delay_ms=50), "long")  # 20 s if nothing stops it
+    assert stream.next().outputs["IDX"].tolist() == [0]
+    stream.close(cancel=True)
+    # Triton records the execution when execute returns: the model saw is_cancelled() and stopped.
+    deadline = time.monotonic() + 10
+    while executions() == before:
+        assert time.monotonic() < deadline, "execute did not return after the cancel"
+        time.sleep(0.05)  # polling a condition with a deadline
 
 
 def test_config_and_unary_refusal(client: grpcclient.InferenceServerClient) -> None:
