@@ -91,7 +91,8 @@ def forward_histogram(metrics_text: str) -> dict[str, Any] | None:
             sums[name[:-4]] = sums.get(name[:-4], 0.0) + value
         elif name.endswith("_count"):
             counts[name[:-6]] = counts.get(name[:-6], 0.0) + value
-    for family, by_bound in sorted(buckets.items()):
+    # The gateway's own name first, should another family mention forwarding too.
+    for family, by_bound in sorted(buckets.items(), key=lambda item: ("stream_forward" not in item[0], item[0])):
         total = counts.get(family, max(by_bound.values(), default=0.0))
         out: dict[str, Any] = {"metric": family, "count": int(total),
                                "mean_s": sums.get(family, math.nan) / total if total else math.nan}
