@@ -2,7 +2,8 @@
 
 Owns what the repository holds (the models of ``models.graphs`` with their
 batching settings, the ``classify`` ensemble: ``preprocess`` -> ``cnn`` ->
-``postprocess``, and the stateful models of ``models.sequences``), the
+``postprocess``, the stateful models of ``models.sequences`` and the
+decoupled Python models of ``models.python_models``), the
 benchmark's compute-bound ``cnn_large`` (``--bench``) and ``encoder_large``
 (``--large``, hidden 1024, big enough that splitting it pays), both built only
 on request, writing and listing a repository, and the
@@ -40,6 +41,7 @@ from models.graphs import (
     build_simple,
     build_string_to_int,
 )
+from models.python_models import PYTHON_MODEL_NAMES, build_python_models
 from models.sequences import SEQUENCE_MODEL_FILES, SEQUENCE_MODEL_NAMES, SEQUENCE_MODELS
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,8 @@ EXAMPLE_ENSEMBLES: tuple[Callable[[], mc.ModelConfig], ...] = (classify_config,)
 
 def example_names() -> list[str]:
     """Every model of the example repository, ensembles and stateful models included, in build order."""
-    return [m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES] + list(SEQUENCE_MODEL_NAMES)
+    return ([m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES] + list(SEQUENCE_MODEL_NAMES)
+            + list(PYTHON_MODEL_NAMES))
 
 
 def _config_dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
@@ -192,6 +195,8 @@ def build_repository(path: str | Path, models: tuple[ExampleModel, ...] = EXAMPL
             _write_if_changed(root / config.name / relative, data)
         logger.info("built stateful model %s in %s", config.name, root)
         names.append(config.name)
+    if models is EXAMPLE_MODELS:  # the examples; not the benchmark's repository
+        names.extend(build_python_models(root))
     return names
 
 

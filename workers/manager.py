@@ -40,7 +40,7 @@ from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
 from protos.execution_slots import set_execution_slots
-from workers.backends.base import Backend, ModelInstance, Placement
+from workers.backends.base import Backend, ConfigBackends, ModelInstance, Placement
 from workers.model import LoadedModel
 from workers.sequences import SequenceSettings
 from workers.warmup import WarmupSample, run_warmup, warmup_samples
@@ -98,6 +98,7 @@ class _Built:
     missing: dict[int, str]
     warmup: list[WarmupSample]
     sequences: SequenceSettings | None = None  # read with the model directory (initial-state files)
+    backend_name: str = ""  # which backend made the instances
 
     def close(self) -> None:
         for instances in self.instances.values():
@@ -114,9 +115,12 @@ class ModelManager:
         staging_root: Path,
         max_queue_size: int = 1024,
         drain_timeout_s: float = 30.0,
+        config_backends: ConfigBackends | None = None,
     ) -> None:
         self.repository = repository
         self.backend = backend
+        # Backends a config names itself (backend: "python"), whatever `backend` is.
+        self._config_backends = config_backends
         self._staging_root = staging_root
         self._max_queue_size = max_queue_size
         self._drain_timeout_s = drain_timeout_s
@@ -292,7 +296,7 @@ class ModelManager:
         if built.config.platform == ENSEMBLE_PLATFORM:
             return "no instances here: an ensemble's steps run as their own models, called by the gateway"
         devices = ", ".join(sorted({str(p) for p in built.placements}))
-        return f"{len(built.placements)} instance(s) each on {devices} ({self.backend.name})"
+        return f"{len(built.placements)} instance(s) each on {devices} ({built.backend_name})"
 
     def _build(self, name: str, model_dir: Path, config_json: str | None) -> _Built:
         """Blocking: read and complete the config, then create every instance of every version."""
@@ -310,11 +314,12 @@ class ModelManager:
             if not config.input or not config.output:
                 raise InvalidArgument(f"ensemble '{name}' must declare its inputs and outputs")
             return _Built(config, [], {number: [] for number in numbers}, missing, [])
-        config = self.backend.complete_config(config, model_dir / str(numbers[-1]))
-        placements = resolve_instance_groups(config, self.backend.gpu_count(), self.backend.cpu_instances)
+        backend = self._backend_for(config)
+        config = backend.complete_config(config, model_dir / str(numbers[-1]))
+        placements = resolve_instance_groups(config, backend.gpu_count(), backend.cpu_instances)
         # Tell the gateway how many batches of this model run at once here: one per
         # instance, but never more than the backend's shared pool runs across models.
-        bound = self.backend.execution_threads
+        bound = backend.execution_threads
         set_execution_slots(config, min(len(placements), bound) if bound > 0 else len(placements))
         samples = warmup_samples(config, model_dir)  # before any instance: a bad sample costs no session
         sequences = SequenceSettings.from_config(config, model_dir)  # so is a bad initial state
@@ -323,13 +328,17 @@ class ModelManager:
             for number in numbers:
                 created[number] = []
                 for placement in placements:
-                    created[number].append(self.backend.load(model_dir, model_dir / str(number), config, placement))
+                    created[number].append(backend.load(model_dir, model_dir / str(number), config, placement))
         except BaseException:
             for instances in created.values():
                 for instance in instances:
                     instance.close()
             raise
-        return _Built(config, placements, created, missing, samples, sequences)
+        return _Built(config, placements, created, missing, samples, sequences, backend.name)
+
+    def _backend_for(self, config: mc.ModelConfig) -> Backend:
+        chosen = self._config_backends.for_config(config) if self._config_backends is not None else None
+        return chosen if chosen is not None else self.backend
 
     async def _unload(self, name: str) -> None:
         async with self._locked(name, create=False) as entry:

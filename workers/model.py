@@ -1,7 +1,9 @@
 """One loaded model version: its instances, the pool that hands them to
 requests, the in-flight count that lets an unload drain it, and the request
 pipeline check -> wait for an instance -> decode -> run -> encode, timed
-into the version's statistics.
+into the version's statistics. A decoupled model's requests take
+:meth:`LoadedModel.stream` instead (any number of responses each); a unary
+request to one is refused in Triton's words.
 
 Concurrency: everything here runs on the event loop thread; only the
 backend's ``infer`` leaves it (to an executor thread, for ONNX Runtime).
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -24,12 +28,14 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
 from protos.errors import Internal, InvalidArgument, Overloaded, Unsupported
-from workers.backends.base import ModelInstance
+from workers.backends.base import DecoupledInstance, ModelInstance, RequestContext, StreamEvent
 from workers.sequences import SequenceBook, SequenceSettings, read_flags
 from workers.stats import ExecutionTiming, ModelStats
 from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
 
 logger = logging.getLogger(__name__)
+
+DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"  # Triton's words
 
 
 class LoadedModel:
@@ -53,6 +59,7 @@ class LoadedModel:
         self._instances = list(instances)
         # An ensemble's version holds only its config: the gateway runs its steps.
         self.gateway_only = config.platform == "ensemble"
+        self.decoupled = config.model_transaction_policy.decoupled
         # A stateful model (`sequence_batching`): its open sequences and their state. `sequences`
         # comes read at load (with initial-state files); without it, read here from the config alone.
         settings = sequences or SequenceSettings.from_config(config)
@@ -75,10 +82,11 @@ class LoadedModel:
         """Run one request; raises InferGateError subclasses for anything the client got wrong."""
         if self.gateway_only:
             raise Unsupported(f"ensemble '{self.name}' is run by the gateway: send its requests to an infergate gateway")
+        if self.decoupled:
+            raise Unsupported(DECOUPLED_UNARY)
         clock = time.perf_counter_ns
         start = clock()
-        self._inflight += 1
-        self._idle.clear()
+        self._begin()
         try:
             checked = check_request(self.signature, request)
             if self.sequences is None:
@@ -114,9 +122,82 @@ class LoadedModel:
             self.stats.record_failure(clock() - start)
             raise
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._end()
+
+    async def stream(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[StreamEvent]:
+        """Run one request of a decoupled model, yielding each response as the model sends it; the last is final.
+
+        Raises InferGateError subclasses, also after responses (an error the model reported).
+        Closing the iterator before the final response (the client went away) cancels the request:
+        the model sees ``is_cancelled()``. The request stays in flight, and its instance taken,
+        until the model's ``execute`` returns.
+        """
+        clock = time.perf_counter_ns
+        start = clock()
+        self._begin()
+        # Filled by the event loop only (the backend hops threads with call_soon_threadsafe);
+        # unbounded because a model's thread cannot wait on it; one request's responses bound it.
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        cancelled = threading.Event()
+        holds = 1  # the stream itself; +1 while execute runs: in flight until both are done
+        succeeded = False
+
+        def let_go() -> None:
+            nonlocal holds
+            holds -= 1
+            if holds == 0:
+                self._end()
+
+        try:
+            checked = check_request(self.signature, request)
+            instance = await self._acquire()
+            try:
+                ready = clock()
+                inputs = decode_inputs(self.signature, request)
+                decoded = clock()
+                context = RequestContext(request.id, read_parameters(request), checked.output_names)
+                execution = cast(DecoupledInstance, instance).start_decoupled(inputs, context, events.put_nowait, cancelled)
+            except BaseException:
+                self._release(instance)
+                raise
+            holds += 1
+
+            def executed(_: asyncio.Future[None]) -> None:
+                self._release(instance)
+                let_go()
+
+            execution.add_done_callback(executed)
+            while True:
+                event = await events.get()
+                if event.error is not None:
+                    raise event.error
+                if event.final:
+                    break
+                yield event
+            done = clock()
+            succeeded = True
+            self.stats.record_success(ExecutionTiming(
+                batch_size=checked.batch_size, queue_ns=ready - start, compute_input_ns=decoded - ready,
+                compute_infer_ns=done - decoded, compute_output_ns=0, total_ns=done - start,
+            ))  # fmt: skip
+            yield event
+        except BaseException:
+            # An error, or the consumer went away (CancelledError, GeneratorExit): either fails the request.
+            if not succeeded:
+                cancelled.set()
+                self.stats.record_failure(clock() - start)
+            raise
+        finally:
+            let_go()
+
+    def _begin(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
 
     async def _infer_in_sequence(
         self, request: service_pb2.ModelInferRequest, batch_size: int, output_names: list[str]
@@ -157,8 +238,7 @@ class LoadedModel:
         """
         clock = time.perf_counter_ns
         start = clock()
-        self._inflight += 1
-        self._idle.clear()
+        self._begin()
         try:
             instance = await self._acquire()
             try:
@@ -179,9 +259,7 @@ class LoadedModel:
             self.stats.record_failure(clock() - start)
             raise
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._end()
 
     async def _acquire(self) -> ModelInstance:
         # Take the fast path only when nobody waits: a waiter woken by _release
@@ -219,3 +297,13 @@ class LoadedModel:
             except Exception:  # one failing instance must not keep the others' memory
                 logger.exception("model %s version %s: closing an instance failed", self.name, self.version)
         self._instances.clear()
+
+
+def read_parameters(request: service_pb2.ModelInferRequest) -> dict[str, object]:
+    """The request's parameters as plain values (what a Python model's ``request.parameters()`` holds)."""
+    values: dict[str, object] = {}
+    for key, param in request.parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        if kind is not None and kind != "bytes_param":
+            values[key] = getattr(param, kind)
+    return values

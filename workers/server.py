@@ -47,7 +47,7 @@ from serverkit.listen import cannot_listen
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
 from protos.collective_pb2_grpc import add_CollectiveServicer_to_server
-from workers.backends.base import BackendOptions, backend_names, create_backend
+from workers.backends.base import BackendOptions, ConfigBackends, backend_names, create_backend
 from workers.collective_service import CollectiveService
 from workers.groups import Groups
 from workers.manager import ModelManager
@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", required=True, type=Path, help="Triton-layout model repository")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8001, help="gRPC port, 0 = any free port (default: %(default)s)")
-    parser.add_argument("--backend", default="onnx", help=f"execution backend: {', '.join(backend_names())} (default: %(default)s)")
+    parser.add_argument("--backend", default="onnx", help=f"execution backend of ONNX models: {', '.join(backend_names())} "
+                        "(default: %(default)s); a config with backend: \"python\" runs its model.py whatever this says")
     parser.add_argument(
         "--backend-option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific setting (repeatable)"
     )
@@ -166,13 +167,16 @@ async def serve(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     try:
-        backend = create_backend(args.backend, _backend_options(args))
+        options = _backend_options(args)
+        backend = create_backend(args.backend, options)
     except InferGateError as exc:
         logger.error("cannot start the %s backend: %s", args.backend, exc.message)
         return 2
+    config_backends = ConfigBackends(options)
     staging = Path(tempfile.mkdtemp(prefix="infergate-worker-"))
     manager = ModelManager(
-        repository, backend, staging_root=staging, max_queue_size=args.max_queue_size, drain_timeout_s=args.grace_period
+        repository, backend, staging_root=staging, max_queue_size=args.max_queue_size, drain_timeout_s=args.grace_period,
+        config_backends=config_backends,
     )
     service = InferenceService(manager)
     mailbox = Mailbox()
@@ -251,6 +255,7 @@ async def serve(args: argparse.Namespace) -> int:
         devices.close()
         await manager.close()
         backend.close()
+        config_backends.close()
         shutil.rmtree(staging, ignore_errors=True)
         if args.ready_file is not None:
             args.ready_file.unlink(missing_ok=True)

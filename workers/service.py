@@ -7,8 +7,10 @@ This module is the worker's one error edge: handlers raise
 gRPC statuses (``ModelStreamInfer`` into in-stream ``error_message``s).
 Anything else is logged with its traceback and answered with an INTERNAL
 naming the exception (its message cleaned of paths). It also counts the
-requests in progress so shutdown can wait for them before cancelling idle
-streams.
+requests in progress (a decoupled model's until its final response) so
+shutdown can wait for them before cancelling idle streams. A decoupled
+model's request on ``ModelStreamInfer`` is served by ``workers.decoupled``;
+``ModelInfer`` refuses it (UNIMPLEMENTED, Triton's words).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
 from serverkit import tracing
 from workers.backends.run_errors import clean_message
+from workers.decoupled import serve_decoupled
 from workers.manager import ModelManager
 
 logger = logging.getLogger(__name__)
@@ -144,7 +147,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         else:
             versions = sorted((m.version for m in self.manager.loaded() if m.name == model.name))
             versions = [str(v) for v in versions]
-        response = service_pb2.ModelMetadataResponse(name=model.name, versions=versions, platform=model.config.platform)
+        # A backend model (Python) has no platform: Triton reports its backend there.
+        platform = model.config.platform or model.config.backend
+        response = service_pb2.ModelMetadataResponse(name=model.name, versions=versions, platform=platform)
         for spec in sig.inputs.values():
             response.inputs.add(name=spec.name, datatype=spec.datatype, shape=sig.full_shape(spec))
         for spec in sig.outputs.values():
@@ -179,8 +184,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[service_pb2.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Each request runs concurrently; responses go out as they complete, errors in-stream."""
+        """Each request runs concurrently; responses go out as they complete, errors in-stream.
+
+        A decoupled model's request holds its slot until its last response.
+        """
         write_lock = asyncio.Lock()  # one context.write at a time
+
+        async def write(response: service_pb2.ModelStreamInferResponse) -> None:
+            async with write_lock:
+                await context.write(response)
+
         slots = asyncio.Semaphore(STREAM_CONCURRENCY)
         tasks: set[asyncio.Task[None]] = set()
 
@@ -191,8 +204,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def serve(request: service_pb2.ModelInferRequest) -> None:
             try:
-                result = await self.manager.get(request.model_name, request.model_version).infer(request)
-                response = service_pb2.ModelStreamInferResponse(infer_response=result)
+                model = self.manager.get(request.model_name, request.model_version)
+                if model.decoupled:
+                    await serve_decoupled(model, request, write)
+                    return
+                response = service_pb2.ModelStreamInferResponse(infer_response=await model.infer(request))
             except Exception as exc:
                 error = as_error(exc, "ModelStreamInfer")
                 response = service_pb2.ModelStreamInferResponse(
@@ -201,8 +217,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                         model_name=request.model_name, model_version=request.model_version, id=request.id
                     ),
                 )
-            async with write_lock:
-                await context.write(response)
+            await write(response)
 
         try:
             async for request in request_iterator:

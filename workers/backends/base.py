@@ -9,12 +9,23 @@ and one that only awaits a timer (the simulated accelerator) look the same.
 
 ``complete_config`` and ``load`` block (file I/O, graph optimisation) and are
 called from a thread by the model manager, never on the event loop.
+
+A decoupled model (``model_transaction_policy { decoupled: true }``) answers
+one request with any number of responses: its instances are
+:class:`DecoupledInstance` objects, which start an execution and report each
+response as a :class:`StreamEvent` on the event loop thread.
+
+``--backend`` picks the backend of ONNX models; a config naming a backend of
+:data:`CONFIG_BACKENDS` (``backend: "python"``) goes to that one whatever
+``--backend`` says (:class:`ConfigBackends`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +34,7 @@ from typing import Literal, Protocol
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from protos.errors import InvalidArgument
+from protos.errors import InferGateError, InvalidArgument
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,52 @@ class ModelInstance(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What a model may read of a request beyond its tensors."""
+
+    request_id: str
+    parameters: Mapping[str, object]  # the request's parameters, as JSON values
+    output_names: Sequence[str]  # the outputs to return (all the model's when the request named none)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One response of a decoupled request: outputs (maybe none) and whether it is the last.
+
+    An event with an ``error`` ends the request.
+    """
+
+    outputs: Mapping[str, np.ndarray]
+    final: bool
+    error: InferGateError | None = None
+
+
+class DecoupledInstance(Protocol):
+    """An instance of a decoupled model: one request, any number of responses."""
+
+    placement: Placement
+
+    def start_decoupled(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        context: RequestContext,
+        emit: Callable[[StreamEvent], None],
+        cancelled: threading.Event,
+    ) -> asyncio.Future[None]:
+        """Start executing one request; call on the event loop thread.
+
+        ``emit`` is called on the event loop thread for each response, the last
+        one final (or carrying an error). The returned future completes when
+        the model's ``execute`` has returned: the instance may take the next
+        request then, even if responses of this one are still to come.
+        ``cancelled`` set means the client went away: the model may stop.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
     name: str  # the config's ``backend`` value this backend serves, e.g. "onnxruntime"
     platform: str  # the config's ``platform`` value, e.g. "onnxruntime_onnx"
@@ -116,7 +173,12 @@ BackendFactory = Callable[[BackendOptions], Backend]
 _REGISTRY: dict[str, str | BackendFactory] = {
     "onnx": "workers.backends.onnx:create_backend",
     "sim": "workers.backends.sim:create_backend",
+    "python": "workers.backends.python:create_backend",
 }
+
+# A config's ``backend`` value -> the registry name of the backend that serves
+# it whatever ``--backend`` says: Python models run their own code.
+CONFIG_BACKENDS: Mapping[str, str] = {"python": "python"}
 
 
 def register_backend(name: str, factory: str | BackendFactory) -> None:
@@ -143,3 +205,32 @@ def create_backend(name: str, options: BackendOptions) -> Backend:
             raise InvalidArgument(f"backend {name!r} is not installed (no module {module_name})") from None
         factory = getattr(module, attr)
     return factory(options)
+
+
+class ConfigBackends:
+    """The backends a model's config picks by name (``backend: "python"``), created on first use.
+
+    ``for_config`` is called from the model manager's load threads, hence the lock.
+    """
+
+    def __init__(self, options: BackendOptions) -> None:
+        self._options = options
+        self._lock = threading.Lock()
+        self._created: dict[str, Backend] = {}
+
+    def for_config(self, config: mc.ModelConfig) -> Backend | None:
+        """The backend ``config`` names, or None when ``--backend`` serves it."""
+        name = CONFIG_BACKENDS.get(config.backend)
+        if name is None:
+            return None
+        with self._lock:
+            backend = self._created.get(name)
+            if backend is None:
+                backend = self._created[name] = create_backend(name, self._options)
+            return backend
+
+    def close(self) -> None:
+        with self._lock:
+            created, self._created = list(self._created.values()), {}
+        for backend in created:
+            backend.close()
