@@ -107,6 +107,8 @@ class StreamPath:
                     out = _response(request, response, final, arrived)
                     self.streams.response(model, version, arrived - started, sent)
                     sent += 1
+                    if final:
+                        outcome = None  # answered in full, whether or not the caller asks for more
                     yield out
             outcome = None
         except InferGateError as e:
