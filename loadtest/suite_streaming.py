@@ -12,14 +12,15 @@ shows it as larger gaps and a later first response.
 
 The gateway's own forwarding gap (a worker's response arriving -> written to
 the client) is read from its ``/metrics`` when it exposes a histogram of it
-(a metric family whose name holds ``forward``); the notes say so when not.
+(a metric family whose name holds ``forward``), snapshotted around each
+gateway run so every row has its own; the notes say so when there is none.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 import re
 import urllib.error
 import urllib.request
@@ -38,7 +39,9 @@ STREAM_MODEL = "repeat_int32"
 STREAM_VALUES = 32
 STREAM_DELAY_MS = 4
 STREAM_LEVELS = (1, 16)
-REQUESTS_PER_STREAM = 12  # per level: 12 requests of 32 x 4 ms per stream, about 1.5 s
+# Requests measured per level: each takes 32 x 4 ms, and the model's two
+# instances serve two streams at a time, so 16 streams queue (seen in the TTFR).
+LEVEL_REQUESTS = {1: 16, 16: 96}
 
 
 def write_repeat_data(path: Path, values: int = STREAM_VALUES, delay_ms: int = STREAM_DELAY_MS) -> str:
@@ -50,9 +53,9 @@ def write_repeat_data(path: Path, values: int = STREAM_VALUES, delay_ms: int = S
     return str(path)
 
 
-def stream_level(url: str, protocol: str, streams: int, data: str, requests_per_stream: int) -> StreamLevelResult:
+def stream_level(url: str, protocol: str, streams: int, data: str, requests: int) -> StreamLevelResult:
     config = BenchConfig(model=STREAM_MODEL, url=url, protocol=Protocol(protocol), streaming=True,
-                         concurrency=(streams,), request_count=requests_per_stream * streams,
+                         concurrency=(streams,), request_count=requests,
                          warmup_requests=streams, input_data=data, timeout_ms=60_000)  # fmt: skip
     result = run_stream_bench(config)
     if not result.levels or result.levels[0].requests == 0:
@@ -67,12 +70,34 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LE = re.compile(r'le="([^"]+)"')
 
 
-def forward_histogram(metrics_text: str) -> dict[str, Any] | None:
-    """The first histogram whose name holds ``forward``: its name, count, mean and bucket-bound percentiles (s).
+@dataclass(frozen=True, slots=True)
+class ForwardHistogram:
+    """A cumulative Prometheus histogram (every label set summed); two snapshots subtract."""
 
-    Buckets of every label set are summed. Percentiles are the upper bound of
-    the bucket the rank falls in (what a Prometheus histogram can say).
-    """
+    metric: str
+    buckets: tuple[tuple[float, float], ...]  # (upper bound in s, cumulative count), ascending
+    sum_s: float
+    count: float
+
+    def __sub__(self, other: ForwardHistogram) -> ForwardHistogram:
+        before = dict(other.buckets)
+        return ForwardHistogram(self.metric, tuple((b, n - before.get(b, 0.0)) for b, n in self.buckets),
+                                self.sum_s - other.sum_s, self.count - other.count)
+
+    def summary(self) -> dict[str, Any]:
+        """Count, mean and p50/p90/p99 as the upper bound of the bucket the rank falls in (seconds)."""
+        total = self.count
+        out: dict[str, Any] = {"metric": self.metric, "count": int(total),
+                               "mean_s": self.sum_s / total if total else math.nan}
+        for pct in (50, 90, 99):
+            rank = pct / 100.0 * total
+            out[f"p{pct}_le_s"] = next((b for b, n in self.buckets if n >= rank), math.inf) if total else math.nan
+        out["buckets"] = {("+Inf" if math.isinf(b) else f"{b:g}"): n for b, n in self.buckets}
+        return out
+
+
+def parse_forward_histogram(metrics_text: str) -> ForwardHistogram | None:
+    """The histogram whose name holds ``forward`` (the gateway's ``stream_forward`` first); None if absent."""
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
@@ -91,18 +116,23 @@ def forward_histogram(metrics_text: str) -> dict[str, Any] | None:
             sums[name[:-4]] = sums.get(name[:-4], 0.0) + value
         elif name.endswith("_count"):
             counts[name[:-6]] = counts.get(name[:-6], 0.0) + value
-    # The gateway's own name first, should another family mention forwarding too.
-    for family, by_bound in sorted(buckets.items(), key=lambda item: ("stream_forward" not in item[0], item[0])):
-        total = counts.get(family, max(by_bound.values(), default=0.0))
-        out: dict[str, Any] = {"metric": family, "count": int(total),
-                               "mean_s": sums.get(family, math.nan) / total if total else math.nan}
-        bounds = sorted(by_bound)
-        for pct in (50, 90, 99):
-            rank = pct / 100.0 * total
-            out[f"p{pct}_le_s"] = next((b for b in bounds if by_bound[b] >= rank), math.inf) if total else math.nan
-        out["buckets"] = {("+Inf" if math.isinf(b) else f"{b:g}"): by_bound[b] for b in bounds}
-        return out
-    return None
+    if not buckets:
+        return None
+    family = min(buckets, key=lambda name: ("stream_forward" not in name, name))
+    by_bound = buckets[family]
+    return ForwardHistogram(family, tuple(sorted(by_bound.items())), sums.get(family, math.nan),
+                            counts.get(family, max(by_bound.values(), default=0.0)))
+
+
+def forward_histogram(metrics_text: str) -> dict[str, Any] | None:
+    """The summary of the forwarding-gap histogram in a /metrics text (None when it has none)."""
+    histogram = parse_forward_histogram(metrics_text)
+    return histogram.summary() if histogram is not None else None
+
+
+def read_forward(http_port: int) -> ForwardHistogram | None:
+    text = read_metrics(http_port)
+    return parse_forward_histogram(text) if text is not None else None
 
 
 def read_metrics(http_port: int) -> str | None:
@@ -120,8 +150,10 @@ def _ratio(value: float, base: float) -> float:
     return value / base if base > 0 and not math.isnan(value) and not math.isnan(base) else math.nan
 
 
-def stream_rows(measured: Mapping[tuple[str, int], StreamLevelResult]) -> list[dict[str, Any]]:
-    """One row per (path, streams); gateway rows carry ratios to the direct row of the same streams."""
+def stream_rows(measured: Mapping[tuple[str, int], StreamLevelResult],
+                forward: Mapping[tuple[str, int], Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per (path, streams); gateway rows carry ratios to the direct row of the same streams,
+    and the forwarding gap the gateway measured over that run when ``forward`` has it."""
     rows = []
     for (path, streams), lv in measured.items():
         direct = measured.get(("direct", streams))
@@ -135,44 +167,56 @@ def stream_rows(measured: Mapping[tuple[str, int], StreamLevelResult]) -> list[d
             row["between_p50_ratio"] = _ratio(lv.between_responses.p50_us, direct.between_responses.p50_us)
             row["between_p99_ratio"] = _ratio(lv.between_responses.p99_us, direct.between_responses.p99_us)
             row["ttfr_p50_ratio"] = _ratio(lv.first_response.p50_us, direct.first_response.p50_us)
+        gap = (forward or {}).get((path, streams))
+        if gap is not None and gap["count"] > 0:
+            row["forward_p50_le"] = gap["p50_le_s"] * 1e6
+            row["forward_p99_le"] = gap["p99_le_s"] * 1e6
         rows.append(row)
     return rows
 
 
 def run_streaming(ctx: SuiteContext) -> SectionResult:
     data = write_repeat_data(ctx.workdir / "repeat_int32.json")
-    per_stream = 4 if ctx.settings.quick else REQUESTS_PER_STREAM
+    scale = 0.25 if ctx.settings.quick else 1.0
     measured: dict[tuple[str, int], StreamLevelResult] = {}
+    forward: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
-    histogram: dict[str, Any] | None = None
     with ProcessGroup(ctx.workdir) as procs:
         worker = grpc_address(ctx.start_workers(procs, 1)[0])
         gateway = ctx.start_gateway(procs, [worker], {}, [STREAM_MODEL])
         http_port = gateway.ready["http_port"]
         paths = {"direct": (worker, "grpc"), "gateway grpc": (f"127.0.0.1:{gateway.ready['grpc_port']}", "grpc"),
                  "gateway http (SSE)": (f"127.0.0.1:{http_port}", "http")}  # fmt: skip
+        has_histogram = read_forward(http_port) is not None
         for streams in STREAM_LEVELS:
             for path, (url, protocol) in paths.items():
                 ctx.progress(f"streaming: {STREAM_MODEL}, {streams} stream(s), {path}")
+                before = read_forward(http_port) if path != "direct" else None
                 try:
-                    measured[(path, streams)] = stream_level(url, protocol, streams, data, per_stream)
+                    requests = max(streams, round(LEVEL_REQUESTS[streams] * scale))
+                    measured[(path, streams)] = stream_level(url, protocol, streams, data, requests)
                 except (SuiteError, BenchError) as exc:
                     if path == "direct" or path == "gateway grpc":
                         raise
                     notes.append(f"{path} at {streams} stream(s) not measured: {exc}")
-        metrics = read_metrics(http_port)
-        histogram = forward_histogram(metrics) if metrics is not None else None
-    if histogram is None:
+                    continue
+                after = read_forward(http_port) if before is not None else None
+                if before is not None and after is not None:
+                    forward[(path, streams)] = (after - before).summary()  # warmup requests included
+    if not has_histogram:
         notes.append("the gateway's /metrics has no forwarding-gap histogram (no metric family named *forward*)")
     else:
-        notes.append(
-            f"gateway forwarding gap (worker response arrived -> written to the client), `{histogram['metric']}` "
-            f"over every run above: {histogram['count']} responses, mean {histogram['mean_s'] * 1e6:.0f} us, "
-            f"p50 <= {histogram['p50_le_s'] * 1e6:g} us, p90 <= {histogram['p90_le_s'] * 1e6:g} us, "
-            f"p99 <= {histogram['p99_le_s'] * 1e6:g} us (bucket bounds)")
+        metric = next(iter(forward.values()))["metric"] if forward else "the forwarding histogram"
+        notes.append(f"forward gap = the gateway's `{metric}` over that run (a worker's response arriving -> "
+                     "written to the client), as the upper bound of the bucket the percentile falls in")
+        silent = sorted({p for (p, _), gap in forward.items() if gap["count"] == 0})
+        if silent:
+            notes.append(f"no forward gap for {', '.join(silent)}: that frontend does not report its writes")
     notes.append(f"{STREAM_MODEL}: {STREAM_VALUES} values, DELAY {STREAM_DELAY_MS} ms per response, "
-                 f"{per_stream} requests per stream after one warmup request per stream; direct = gRPC "
-                 "ModelStreamInfer straight to the worker; ratios = gateway / direct at the same number of streams")
+                 f"{LEVEL_REQUESTS[1]} requests at 1 stream, {LEVEL_REQUESTS[16]} at 16"
+                 f"{' (a quarter of that with --quick)' if ctx.settings.quick else ''}, after one warmup request "
+                 "per stream; direct = gRPC ModelStreamInfer straight to the worker; ratios = gateway / direct "
+                 "at the same number of streams, from one run")
     return SectionResult(
         key="streaming",
         title=f"Streaming through the gateway ({STREAM_MODEL}, {STREAM_VALUES} responses of {STREAM_DELAY_MS} ms)",
@@ -184,10 +228,12 @@ def run_streaming(ctx: SuiteContext) -> SectionResult:
             Column("between_p50_ratio", "between p50 / direct", ".2f"),
             Column("between_p99_ratio", "between p99 / direct", ".2f"),
             Column("ttfr_p50_ratio", "TTFR p50 / direct", ".2f"),
+            Column("forward_p50_le", "forward gap p50 <= us", ",.0f"),
+            Column("forward_p99_le", "forward gap p99 <= us", ",.0f"),
             Column("errors", "errors"),
         ),
-        rows=tuple(stream_rows(measured)),
+        rows=tuple(stream_rows(measured, forward)),
         notes=tuple(notes),
-        details={"forward_histogram": histogram,
+        details={"forward_histograms": {f"{p} x{s}": gap for (p, s), gap in forward.items()},
                  "levels": {f"{p} x{s}": asdict(lv) for (p, s), lv in measured.items()}},
     )

@@ -12,7 +12,7 @@ import pytest
 from loadtest import suite
 from loadtest.inputs import ModelSignature, TensorSpec, load_data_file
 from loadtest.streaming import StreamRecord, StreamWindow, stream_level_result
-from loadtest.suite_streaming import forward_histogram, stream_rows, write_repeat_data
+from loadtest.suite_streaming import forward_histogram, parse_forward_histogram, stream_rows, write_repeat_data
 
 METRICS = """\
 # HELP infergate_stream_forward_seconds Worker response arrived -> written to the client.
@@ -35,6 +35,20 @@ def test_forward_histogram_is_read_from_the_metrics_text() -> None:
     assert h["mean_s"] == pytest.approx(0.0002)
     assert (h["p50_le_s"], h["p90_le_s"], h["p99_le_s"]) == (0.0001, 0.001, 0.01)
     assert h["buckets"]["+Inf"] == 100
+
+
+def test_two_snapshots_give_the_histogram_of_the_span_between() -> None:
+    before = parse_forward_histogram(METRICS)
+    later = METRICS.replace('le="0.0001"} 60', 'le="0.0001"} 70').replace('le="0.001"} 95', 'le="0.001"} 105')
+    later = later.replace('le="0.01"} 100', 'le="0.01"} 120').replace('le="+Inf"} 100', 'le="+Inf"} 120')
+    later = later.replace("_sum 0.02", "_sum 0.03").replace("_count 100", "_count 120")
+    after = parse_forward_histogram(later)
+    assert before is not None and after is not None
+    span = (after - before).summary()
+    assert span["count"] == 20 and span["mean_s"] == pytest.approx(0.0005)
+    assert (span["p50_le_s"], span["p99_le_s"]) == (0.0001, 0.01)  # 10 within 0.1 ms, 10 in (1 ms, 10 ms]
+    empty = (before - before).summary()
+    assert empty["count"] == 0 and math.isnan(empty["p50_le_s"])
 
 
 def test_no_forward_histogram_is_none() -> None:
@@ -65,6 +79,9 @@ def test_gateway_rows_carry_ratios_to_direct_at_the_same_streams() -> None:
     assert through["between_p50"] == pytest.approx(5.0)
     assert "between_p50_ratio" not in alone  # no direct row at 16 streams
     assert not math.isnan(through["responses_per_s"])
+    gap = {"count": 5, "p50_le_s": 0.00025, "p99_le_s": 0.001}
+    with_gap = stream_rows({("gateway grpc", 1): _level(1, 0.004)}, {("gateway grpc", 1): gap})  # type: ignore[dict-item]
+    assert (with_gap[0]["forward_p50_le"], with_gap[0]["forward_p99_le"]) == pytest.approx((250, 1000))
 
 
 def test_streaming_is_a_suite_section() -> None:
