@@ -105,3 +105,16 @@ def test_time_windows_on_a_worker(worker: Proc) -> None:
     (lv,) = result.levels
     assert lv.requests > 0 and lv.error_count == 0 and 1 <= lv.windows <= 3
     assert lv.responses % lv.requests == 0 and 2 <= lv.responses // lv.requests <= 4
+
+
+def test_suite_streaming_section(model_repo: Path, tmp_path: Path) -> None:
+    from loadtest.suite_context import SuiteContext, SuiteSettings
+    from loadtest.suite_streaming import run_streaming
+
+    section = run_streaming(SuiteContext(SuiteSettings.for_run(model_repo, quick=True), tmp_path))
+    rows = {(r["path"], r["streams"]): r for r in section.rows}
+    assert set(rows) == {(p, s) for p in ("direct", "gateway grpc", "gateway http (SSE)") for s in (1, 16)}
+    assert all(r["errors"] == 0 and r["between_p50"] > 0 for r in rows.values())
+    assert rows[("gateway grpc", 16)]["between_p50_ratio"] > 0
+    # The gateway measures its forwarding gap on the gRPC frontend.
+    assert rows[("gateway grpc", 1)]["forward_p50_le"] > 0
