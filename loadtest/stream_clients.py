@@ -14,9 +14,12 @@ failed request never stops a level.
   is not decoupled) ends its request. A broken or timed-out call is dropped
   and the slot opens a fresh one for its next request.
 - HTTP: ``POST .../generate_stream`` (the generate extension) with the inputs
-  as JSON keys; every server-sent ``data:`` event is a response, an event
-  with an ``error`` member ends the request with an error, the end of the
-  body ends it normally.
+  as JSON keys; every server-sent ``data:`` line carrying an output is a
+  response, one with an ``error`` member ends the request with an error,
+  the end of the body ends it normally. (Each event is one ``data:`` line,
+  as Triton and the gateway send them.)
+
+``--timeout-ms`` bounds each streamed request from its send to its final response.
 """
 
 from __future__ import annotations
@@ -196,6 +199,17 @@ def parse_event(line: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {"error": f"unexpected event {text[:80]!r}"}
 
 
+class EventLines:
+    """Complete lines out of a byte stream cut anywhere."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        *lines, self._rest = (self._rest + chunk).split(b"\n")
+        return lines
+
+
 def is_data_event(doc: dict[str, Any]) -> bool:
     return any(key not in _GENERATE_META for key in doc)
 
@@ -215,21 +229,28 @@ class HttpStreamSlot:
                     detail = (await resp.read())[:300].decode(errors="replace")
                     record.error = self._errors(f"HTTP {resp.status}", detail)
                 else:
-                    async for line in resp.content:
-                        doc = parse_event(line)
-                        if doc is None:
-                            continue
-                        now = self._clock()
-                        if "error" in doc:
-                            record.error = self._errors("stream error", str(doc["error"]))
-                            break
-                        if is_data_event(doc):
-                            record.arrivals_s.append(now)
+                    await self._read_events(resp, record)
         except asyncio.TimeoutError:
             record.error = "timeout"
         except aiohttp.ClientError as exc:
             record.error = self._errors("connection", f"{exc.__class__.__name__}: {exc}")
         record.done_s = self._clock()
+
+    async def _read_events(self, resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
+        # Lines are split here rather than by the response's line reader, which
+        # refuses lines over its buffer size (an event with a large output).
+        lines = EventLines()
+        async for chunk in resp.content.iter_any():
+            now = self._clock()  # events that came in one chunk arrived together
+            for line in lines.feed(chunk):
+                doc = parse_event(line)
+                if doc is None:
+                    continue
+                if "error" in doc:
+                    record.error = self._errors("stream error", str(doc["error"]))
+                    return
+                if is_data_event(doc):
+                    record.arrivals_s.append(now)
 
     async def close(self) -> None:
         return None

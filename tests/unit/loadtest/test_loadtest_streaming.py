@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2
 
 from loadtest.config import BenchConfig, BenchError
 from loadtest.inputs import InputTensor, ModelSignature, Payload, TensorSpec
-from loadtest.stream_clients import generate_body, grpc_stream_request_bytes, is_data_event, is_final, parse_event
+from loadtest.stream_clients import EventLines, generate_body, grpc_stream_request_bytes, is_data_event, is_final, parse_event
 from loadtest.stream_report import STREAM_CSV_COLUMNS, TABLE_HEAD, format_stream_table, stream_to_csv, stream_to_json
 from loadtest.stream_runner import Tickets, run_stream_bench_async
 from loadtest.streaming import (
@@ -256,3 +256,11 @@ def test_generate_bodies_and_server_sent_events() -> None:
     assert not is_data_event({"model_name": "m", "model_version": "1", "parameters": {}})
     assert "error" in (parse_event(b'data: {"error": "boom"}') or {})
     assert "error" in (parse_event(b"data: not json") or {})
+
+
+def test_event_lines_survive_any_cut() -> None:
+    stream = b'data: {"OUT": [1]}\n\ndata: {"OUT": [2]}\n\n'
+    for cut in range(1, len(stream)):
+        lines = EventLines()
+        got = lines.feed(stream[:cut]) + lines.feed(stream[cut:])
+        assert [line for line in got if line] == [b'data: {"OUT": [1]}', b'data: {"OUT": [2]}']
