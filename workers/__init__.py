@@ -1,8 +1,10 @@
 """The infergate worker server: a KServe v2 gRPC server running models from a
-Triton-layout repository with ONNX Runtime (or the simulated accelerator).
+Triton-layout repository with ONNX Runtime (or the simulated accelerator),
+and Triton Python-backend models (``model.py``) in its own process.
 
 ``server`` wires the process; ``service`` is the gRPC service; ``manager``
 loads and unloads models from ``repository``; ``backends`` run them;
+``decoupled`` streams a decoupled model's responses;
 ``registration`` joins a gateway; ``collective_service`` serves the
 collective protocol: ``groups`` runs a split model's ranks with the worker's
 peers, over ``peers`` (links and the mailbox), summing as a ring from three

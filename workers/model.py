@@ -95,7 +95,7 @@ class LoadedModel:
                     ready = clock()
                     inputs = decode_inputs(self.signature, request)
                     decoded = clock()
-                    outputs = await instance.infer(inputs, checked.output_names)
+                    outputs = await self._run(instance, inputs, checked.output_names, request)
                     ran = clock()
                 finally:
                     self._release(instance)
@@ -189,6 +189,17 @@ class LoadedModel:
             raise
         finally:
             let_go()
+
+    @staticmethod
+    async def _run(instance: ModelInstance, inputs: dict[str, np.ndarray], output_names: list[str],
+                   request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:  # fmt: skip
+        """Run one request; an instance that reads the request's id and parameters (Python models) gets them."""
+        with_context = getattr(instance, "infer_with_context", None)
+        if with_context is None:
+            return await instance.infer(inputs, output_names)
+        context = RequestContext(request.id, read_parameters(request), output_names)
+        outputs: dict[str, np.ndarray] = await with_context(inputs, output_names, context)
+        return outputs
 
     def _begin(self) -> None:
         self._inflight += 1

@@ -168,14 +168,16 @@ class _StreamSink:
         self.end(Internal(f"the model released request '{self._request_id}' without sending its final response"))
 
     def _deliver(self, event: StreamEvent, ending: bool) -> None:
+        # Scheduled under the lock: events reach the loop in the order they were accepted,
+        # and nothing after the one that ended the request.
         with self._lock:
             if self._ended:
                 return
             self._ended = ending
-        if self._cancelled.is_set():
-            return  # nobody listens any more
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is exiting
-            self._loop.call_soon_threadsafe(self._emit, event)
+            if self._cancelled.is_set():
+                return  # nobody listens any more
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is exiting
+                self._loop.call_soon_threadsafe(self._emit, event)
 
 
 class _ResponseSlot:
@@ -223,10 +225,13 @@ class PythonInstance:
         )  # fmt: skip
         return request, sender
 
-    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str],
-                    context: RequestContext | None = None) -> dict[str, np.ndarray]:  # fmt: skip
-        """An ordinary (not decoupled) request: ``execute`` returns its one response."""
-        context = context or RequestContext("", {}, output_names)
+    async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        """An ordinary (not decoupled) request with no id or parameters (warmup samples)."""
+        return await self.infer_with_context(inputs, output_names, RequestContext("", {}, output_names))
+
+    async def infer_with_context(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str],
+                                 context: RequestContext) -> dict[str, np.ndarray]:  # fmt: skip
+        """An ordinary (not decoupled) request: ``execute`` returns its one response (or sends it)."""
         cancelled = threading.Event()
         slot = _ResponseSlot(cancelled)
         request, _ = self._request(inputs, context, slot)
