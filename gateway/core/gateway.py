@@ -97,7 +97,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         until = loop.time() + grace
         await self._batchers.close_all(grace)
-        await self.pipeline.streaming.wait_closed(until - loop.time())  # open streams end before the workers' channels close
+        # Open streams end (within the grace) before the workers' channels close under them.
+        await self.pipeline.streaming.wait_closed(until - loop.time())
         await self.fleet.stop()
         await self.parallel.stop()
         self.sequences.close()

@@ -16,6 +16,7 @@ the worker's own words.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -27,6 +28,8 @@ from protos.errors import InferGateError, Internal, Unavailable
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
+# How long a call whose final response came may take to close before it is cancelled.
+CLOSE_WAIT_S = 1.0
 
 
 class ModelStreamError(Internal):
@@ -58,6 +61,7 @@ async def stream_responses(
     """
     request.parameters[EMPTY_FINAL].bool_param = True
     call = client.stream_call(timeout_s)
+    ended = False
     try:
         try:
             await call.write(request)
@@ -71,13 +75,22 @@ async def stream_responses(
                 if message.error_message:
                     raise ModelStreamError(message.error_message)
                 response = message.infer_response
+                ended = is_final(response)
                 yield response, arrived
-                if is_final(response):
+                if ended:
                     return
         except grpc.aio.AioRpcError as e:
             raise client.map_error(e) from None
         except grpc.aio.UsageError as e:  # the channel was closed under the call
             raise Unavailable(f"worker {client.address}: {e}") from None
     finally:
-        # Done or abandoned: a call still open is cancelled, and with it the request on the worker.
+        # Answered in full: the worker closes the call itself (its status follows the final
+        # response at once); a server's handler cancelled after its last response may hold the
+        # request's state (Triton then cannot unload the model). Abandoned: the call is
+        # cancelled, and with it the request on the worker.
+        if ended:
+            try:
+                await asyncio.wait_for(call.code(), CLOSE_WAIT_S)
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                pass
         call.cancel()

@@ -2,6 +2,7 @@
 ``infergate worker`` processes serving ``repeat_int32`` and a gateway in front.
 
 Checked: draining a worker waits for the stream open on it, which completes;
+a gateway told to stop lets its open stream finish, then exits;
 a worker killed mid-stream ends the request it served with an in-stream error
 naming the worker and the responses already sent (``StreamLost``, UNAVAILABLE
 where a code is sent), while a stream on the other worker completes.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +104,27 @@ def test_draining_a_worker_waits_for_its_open_stream(cluster: Cluster) -> None:
                                          method="POST")
         urllib.request.urlopen(undrain, timeout=30).close()
         poll(lambda: cluster.serving("repeat_int32") == 2, "the worker back in rotation")
+
+
+def test_a_gateway_shutting_down_lets_its_open_stream_finish(cluster: Cluster) -> None:
+    gateway = start(["gateway", "--http-port", "0", "--grpc-port", "0",
+                     *[a for w in cluster.workers for a in ("--worker", worker_url(w))]])
+    try:
+        url = f"127.0.0.1:{gateway.ready['grpc_port']}"
+        client = grpcclient.InferenceServerClient(url)
+        poll(lambda: client.is_model_ready("repeat_int32"), "the model ready")
+        client.close()
+        stream = Stream(url)
+        stream.send("repeat_int32", repeat_inputs(list(range(20)), delay_ms=50), "last", empty_final=True)
+        stream.wait_for(lambda got: len(got) >= 1)
+        gateway.popen.send_signal(signal.SIGTERM)  # within the grace period (30 s by default)
+        got = stream.wait_for(lambda got: any(r.final or r.error for r in got))
+        assert all(r.error is None for r in got), got
+        assert [r.values[0] for r in got[:-1]] == list(range(20)) and got[-1].final is True
+        stream.finish()
+        assert gateway.popen.wait(timeout=30) == 0
+    finally:
+        gateway.stop(check=False)
 
 
 def test_a_worker_killed_mid_stream_ends_its_stream_and_the_other_completes(cluster: Cluster) -> None:

@@ -38,6 +38,7 @@ class FakeCall:
         self.script = list(script)
         self.written: list[service_pb2.ModelInferRequest] = []
         self.cancelled = False
+        self.closed_by_worker = False
         self.gate = asyncio.Event()
         self.gate.set()
 
@@ -57,6 +58,11 @@ class FakeCall:
     def cancel(self) -> bool:
         self.cancelled = True
         return True
+
+    async def code(self) -> grpc.StatusCode:
+        """The call's status: OK once its final response was read (the worker closes it)."""
+        self.closed_by_worker = True
+        return grpc.StatusCode.OK
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -107,7 +113,7 @@ async def test_responses_come_in_order_the_last_final_and_the_stream_is_held_in_
         assert worker.inflight == 0 and worker.sent == 1
         (sent,) = call.written
         assert sent.parameters[EMPTY_FINAL].bool_param is True  # the end is always marked
-        assert call.cancelled  # the call is ended, whatever state it is in
+        assert call.closed_by_worker  # answered in full: the worker's own close is awaited
     finally:
         await cluster.stop()
 
@@ -181,7 +187,7 @@ async def test_closing_the_stream_early_cancels_the_worker_call_and_frees_the_sl
         with pytest.raises(asyncio.CancelledError):
             await pending
         await responses.aclose()
-        assert call.cancelled and worker.inflight == 0
+        assert call.cancelled and not call.closed_by_worker and worker.inflight == 0
     finally:
         await cluster.stop()
 
