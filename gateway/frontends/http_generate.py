@@ -263,11 +263,11 @@ class GenerateApi:
         with self._tracing.request(infer, request.headers, "HTTP"):
             if not self._decoupled(infer):
                 response = await self._core.infer(infer)
-                return await _send_events(request, infer, response, _no_more())
-            async with aclosing(self._stream(infer)) as responses:
+                return await _send_events(request, infer, response, _no_more(), self._core.stream_written)
+            async with aclosing(self._core.stream(infer)) as responses:
                 # An error before the first response is an ordinary error answer.
                 first = await anext(responses, None)
-                return await _send_events(request, infer, first, responses)
+                return await _send_events(request, infer, first, responses, self._core.stream_written)
 
     async def _decode(self, request: web.Request) -> InferRequest:
         name = request.match_info.get("model", "")
@@ -285,16 +285,11 @@ class GenerateApi:
         config = self._core.model_config(infer.model, infer.version)
         return bool(config.model_transaction_policy.decoupled)
 
-    def _stream(self, infer: InferRequest) -> AsyncIterator[InferResponse]:
-        stream = getattr(self._core, "stream", None)
-        if stream is None:  # a core without streams (fake cores in tests)
-            raise Unsupported(f"model '{infer.model}' is decoupled and this server has no streams")
-        return stream(infer)
 
     async def _only_response(self, infer: InferRequest) -> InferResponse:
         """A decoupled model's one response; none or a second one is Triton's refusal."""
         only: InferResponse | None = None
-        async with aclosing(self._stream(infer)) as responses:
+        async with aclosing(self._core.stream(infer)) as responses:
             async for response in responses:
                 if only is not None:
                     # Leaving the loop closes the stream: the model's request is cancelled.
@@ -311,8 +306,12 @@ async def _no_more() -> AsyncIterator[InferResponse]:
 
 
 async def _send_events(request: web.Request, infer: InferRequest, first: InferResponse | None,
-                       rest: AsyncIterator[InferResponse]) -> web.StreamResponse:
-    """The event stream: ``first`` (None when the model sent nothing) and then ``rest`` as they come."""
+                       rest: AsyncIterator[InferResponse], written: Callable[[InferResponse], None],
+                       ) -> web.StreamResponse:
+    """The event stream: ``first`` (None when the model sent nothing) and then ``rest`` as they come.
+
+    ``written`` hears of each response once its event is written (the core measures the gap).
+    """
     stream = web.StreamResponse(status=200, headers={hdrs.CACHE_CONTROL: "no-cache"})
     stream.content_type = "text/event-stream"
     stream.charset = "utf-8"
@@ -320,8 +319,10 @@ async def _send_events(request: web.Request, infer: InferRequest, first: InferRe
     try:
         if first is not None:
             await stream.write(sse_event(generate_response_json(first, infer)))
+            written(first)
             async for response in rest:
                 await stream.write(sse_event(generate_response_json(response, infer)))
+                written(response)
     except InferGateError as exc:
         # The status has gone out: the error is the stream's last event.
         log.debug("stream of %s (request id %r) ended with %d: %s", infer.model, infer.id, exc.http_status,

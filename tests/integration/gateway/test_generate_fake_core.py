@@ -46,6 +46,10 @@ class StreamingCore:
         self.started = asyncio.Event()
         self.closed = asyncio.Event()
         self.sent = 0
+        self.written: list[InferResponse] = []
+
+    def stream_written(self, response: InferResponse) -> None:
+        self.written.append(response)
 
     def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
         if name not in ("square", "double", "busy"):
@@ -115,7 +119,7 @@ async def test_stream_sends_each_response_as_an_event_in_order_then_closes(serve
             assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             events = await _events(response)
     assert events == [{"OUT": 3, "id": "s1", "model_name": "square", "model_version": "1"}] * 3
-    assert core.closed.is_set()
+    assert core.closed.is_set() and len(core.written) == 3
 
 
 async def test_each_event_is_flushed_before_the_model_sends_the_next(served: tuple) -> None:
