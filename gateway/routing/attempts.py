@@ -82,6 +82,7 @@ class _Attempt(Generic[_W]):
     hang_at: float | None
     hung: bool = False
     settled: bool = False
+    load: int = 1  # batches its worker held as it started, this one included (outlier judging)
 
 
 class AttemptRace(Generic[_W, _R]):
@@ -282,8 +283,9 @@ class AttemptRace(Generic[_W, _R]):
         hang, hedge = policy.thresholds(self._model)
         if hedge is not None and len(self._pending) + (self._inline is not None) >= policy.hedge.max_extra_attempts:
             hedge = None  # no hedge of a hedge
+        # Built before its send takes the slot: the worker's load is what it holds, plus this one.
         return _Attempt(worker, now, extra, trial, None if hedge is None else now + hedge,
-                        None if hang is None else now + hang)
+                        None if hang is None else now + hang, load=getattr(worker, "inflight", 0) + 1)
 
     def _launch(self, worker: _W) -> None:
         """Start an extra attempt as a task (its budget token is already taken)."""
@@ -304,9 +306,9 @@ class AttemptRace(Generic[_W, _R]):
         elapsed = policy.clock.now() - attempt.started
         if cancelled or (attempt.hung and error is None):
             # No verdict: lost the race, or its caller left; its time is still a lower bound.
-            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial)
+            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, load=attempt.load)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial)
+            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, load=attempt.load)
             policy.latency.observe(self._model, elapsed)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):
