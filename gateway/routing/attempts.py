@@ -104,8 +104,10 @@ class AttemptRace(Generic[_W, _R]):
         acquire: Callable[[set[_W]], Awaitable[_W]],
         try_pick: Callable[[set[_W]], _W | None],
         send: Callable[[_W], Awaitable[_R]],
+        rows: int = 1,
     ) -> None:
         self._policy = policy
+        self._rows = rows  # the batch's rows: latencies are judged at the same batch size
         self._model = model
         self._deadline = deadline
         self._acquire = acquire
@@ -306,9 +308,9 @@ class AttemptRace(Generic[_W, _R]):
         elapsed = policy.clock.now() - attempt.started
         if cancelled or (attempt.hung and error is None):
             # No verdict: lost the race, or its caller left; its time is still a lower bound.
-            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, load=attempt.load)
+            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, load=attempt.load, rows=self._rows)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, load=attempt.load)
+            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, load=attempt.load, rows=self._rows)
             policy.latency.observe(self._model, elapsed)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):

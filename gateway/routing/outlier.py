@@ -9,9 +9,10 @@ that are up but serve badly, from the outcome of every routed attempt:
 * latency: a worker whose latency for a model (the median of its latest 16
   attempts) is ``latency_factor`` (3) times the median of that model's other
   replicas, and slower by at least ``latency_min_excess_s``, is ejected too.
-  Latencies are compared only at the same load: each attempt is filed under
-  the batches its worker held when it started (1, 2, 3-4, 5 and more), and a
-  worker is judged against its peers' attempts under that load. A worker the
+  Latencies are compared only at the same load and batch size: each attempt
+  is filed under the batches its worker held when it started (1, 2, 3-4, 5
+  and more) and its batch's rows (rounded up to a power of two), and a
+  worker is judged against its peers' attempts filed alike. A worker the
   gateway itself loads (a burst queued behind its batches) is slower than an
   idle peer by the gateway's own doing, not its fault; a truly slow worker is
   slower than its peers at every load.
@@ -60,9 +61,9 @@ _LOAD_BUCKETS = (1, 2, 4)
 _MOST_LOAD = 8
 
 
-def load_bucket(inflight: int) -> int:
-    """The load an attempt is judged at: the batches its worker held as it started, bucketed."""
-    return next((b for b in _LOAD_BUCKETS if inflight <= b), _MOST_LOAD)
+def load_bucket(inflight: int, rows: int = 1) -> tuple[int, int]:
+    """What an attempt is judged at: the batches its worker held as it started, and its rows, bucketed."""
+    return next((b for b in _LOAD_BUCKETS if inflight <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length()
 
 
 # Why a worker was ejected, as counted (``infergate_worker_ejections_total{reason}``).
@@ -114,7 +115,7 @@ class _Circuit:
     closed_since: float = -math.inf  # when the circuit last closed after an ejection
     trials: int = 0
     reason: str = ""
-    latency: dict[tuple[str, int], _Latency] = field(default_factory=dict)  # by (model, load bucket)
+    latency: dict[tuple[str, tuple[int, int]], _Latency] = field(default_factory=dict)  # by (model, load bucket)
 
 
 class OutlierDetector:
@@ -181,8 +182,9 @@ class OutlierDetector:
             return True
         return False
 
-    def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *, load: int = 1) -> None:
-        """``load``: the batches its worker held as the attempt started (this one included)."""
+    def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *,
+                  load: int = 1, rows: int = 1) -> None:
+        """``load``: the batches its worker held as the attempt started (this one included); ``rows``: its batch's."""
         circuit = self._circuit(address)
         if trial:
             circuit.trials -= 1
@@ -195,7 +197,7 @@ class OutlierDetector:
         elif circuit.state is CircuitState.OPEN:
             return
         circuit.consecutive_failures = 0
-        self._observe_latency(circuit, model, latency_s, load)
+        self._observe_latency(circuit, model, latency_s, load_bucket(load, rows))
 
     def failed(self, address: str, reason: str, trial: bool = False) -> None:
         circuit = self._circuit(address)
@@ -222,7 +224,8 @@ class OutlierDetector:
             circuit.closed_since = self._now()
             circuit.consecutive_failures = 0
 
-    def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False, *, load: int = 1) -> None:
+    def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False, *,
+                  load: int = 1, rows: int = 1) -> None:
         """The attempt was cancelled (a faster attempt won, or its caller left): no verdict.
 
         Its running time is still a lower bound of the worker's latency; a
@@ -232,7 +235,7 @@ class OutlierDetector:
         if trial:
             circuit.trials -= 1
         if circuit.state is CircuitState.CLOSED:
-            self._observe_latency(circuit, model, elapsed_s, load)
+            self._observe_latency(circuit, model, elapsed_s, load_bucket(load, rows))
 
     # ---- views -------------------------------------------------------------------
 
@@ -280,8 +283,8 @@ class OutlierDetector:
         circuit.latency.clear()
         log.info("worker %s: ejection over; trying it again", circuit.address)
 
-    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, load: int) -> None:
-        key = (model, load_bucket(load))
+    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: tuple[int, int]) -> None:
+        key = (model, bucket)
         stats = circuit.latency.get(key)
         if stats is None:
             stats = circuit.latency[key] = _Latency()
@@ -301,7 +304,8 @@ class OutlierDetector:
         mine = stats.median_s()
         if mine > factor * reference and mine - reference > self.settings.latency_min_excess_s:
             self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms against a median of "
-                                 f"{reference * 1e3:.1f} ms on its peers at the same load ({key[1]} batches)", "latency",
+                                 f"{reference * 1e3:.1f} ms on its peers at the same load (up to {bucket[0]} batches "
+                                 f"of up to {bucket[1]} rows)", "latency",
                         model=model)
 
     def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False, model: str = "") -> None:

@@ -190,6 +190,7 @@ class Router:
             acquire=acquire,
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
             send=lambda worker: self._attempt(worker, model, version, request, deadline, slot_taken),
+            rows=_rows(request),
         )
         try:
             return await race.run()

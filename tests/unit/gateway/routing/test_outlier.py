@@ -220,7 +220,7 @@ def test_latency_is_compared_only_at_the_same_load() -> None:
         d.succeeded("b", "m", 0.300, d.attempt_started("b"), load=1)  # idle, and still slow: slow
     assert not d.routable("b")
     (health,) = [h for h in d.snapshot() if h.address == "b"]
-    assert "at the same load (1 batches)" in health.reason
+    assert "at the same load (up to 1 batches of up to 1 rows)" in health.reason
 
 
 async def test_the_return_trial_runs_on_a_timer_without_traffic() -> None:
@@ -261,3 +261,11 @@ async def test_the_return_trial_runs_on_a_timer_without_traffic() -> None:
     await time_passes()
     assert d.state("b") is CircuitState.CLOSED and not sleeping
     trials.cancel()
+
+
+def test_latency_is_compared_only_at_the_same_batch_size() -> None:
+    d, _ = detector("a", "b", latency_min_samples=5)
+    for _ in range(12):
+        d.succeeded("a", "m", 0.020, d.attempt_started("a"), rows=1)
+        d.succeeded("b", "m", 0.150, d.attempt_started("b"), rows=64)  # the burst's full batches
+    assert d.routable("b")
