@@ -82,7 +82,7 @@ class _Attempt(Generic[_W]):
     hang_at: float | None
     hung: bool = False
     settled: bool = False
-    load: int = 1  # batches its worker held as it started, this one included (outlier judging)
+    load: float = 0.0  # the executions it waits out on its worker before its own (outlier judging)
 
 
 class AttemptRace(Generic[_W, _R]):
@@ -285,9 +285,17 @@ class AttemptRace(Generic[_W, _R]):
         hang, hedge = policy.thresholds(self._model)
         if hedge is not None and len(self._pending) + (self._inline is not None) >= policy.hedge.max_extra_attempts:
             hedge = None  # no hedge of a hedge
-        # Built before its send takes the slot: the worker's load is what it holds, plus this one.
         return _Attempt(worker, now, extra, trial, None if hedge is None else now + hedge,
-                        None if hang is None else now + hang, load=getattr(worker, "inflight", 0) + 1)
+                        None if hang is None else now + hang, load=self._load_on(worker))
+
+    def _load_on(self, worker: _W) -> float:
+        """The executions an attempt starting now waits out on ``worker`` before its own starts: the
+        batches there (every model's; this one's send has not taken its slot yet) beyond the model's
+        execution slots, per slot. A waiting batch behind one slot waits a whole execution, behind
+        four a quarter of one on average."""
+        served = getattr(worker, "models", {}).get(self._model)
+        slots = max(1, getattr(served, "slots", 1))
+        return max(0, getattr(worker, "inflight", 0) + 1 - slots) / slots
 
     def _launch(self, worker: _W) -> None:
         """Start an extra attempt as a task (its budget token is already taken)."""
@@ -308,9 +316,9 @@ class AttemptRace(Generic[_W, _R]):
         elapsed = policy.clock.now() - attempt.started
         if cancelled or (attempt.hung and error is None):
             # No verdict: lost the race, or its caller left; its time is still a lower bound.
-            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, load=attempt.load, rows=self._rows)
+            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, load=attempt.load, rows=self._rows)
+            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
             policy.latency.observe(self._model, elapsed)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):

@@ -10,9 +10,11 @@ that are up but serve badly, from the outcome of every routed attempt:
   attempts) is ``latency_factor`` (3) times the median of that model's other
   replicas, and slower by at least ``latency_min_excess_s``, is ejected too.
   Latencies are compared only at the same load and batch size: each attempt
-  is filed under the batches its worker held when it started (1, 2, 3-4, 5
-  and more) and its batch's rows (rounded up to a power of two), and a
-  worker is judged against its peers' attempts filed alike. A worker the
+  is filed under its load -- the executions it waits out on its worker
+  before its own starts (the batches there beyond the model's execution
+  slots, per slot: 0, up to 1/2, 1, 2, more) -- and its batch's rows
+  (rounded up to a power of two), and a worker is judged against its peers'
+  attempts filed alike. A worker the
   gateway itself loads (a burst queued behind its batches) is slower than an
   idle peer by the gateway's own doing, not its fault; a truly slow worker is
   slower than its peers at every load.
@@ -56,14 +58,14 @@ log = logging.getLogger(__name__)
 _LATENCY_WINDOW = 16
 # Judging a latency costs a few sorts: done on every few samples, not each one.
 _JUDGE_EVERY = 4
-# Load buckets: batches in flight on the worker when the attempt started, rounded up to these.
-_LOAD_BUCKETS = (1, 2, 4)
-_MOST_LOAD = 8
+# Load buckets: the executions an attempt waits out on its worker before its own, rounded up to these.
+_LOAD_BUCKETS = (0.0, 0.5, 1.0, 2.0)
+_MOST_LOAD = 4.0
 
 
-def load_bucket(inflight: int, rows: int = 1) -> tuple[int, int]:
-    """What an attempt is judged at: the batches its worker held as it started, and its rows, bucketed."""
-    return next((b for b in _LOAD_BUCKETS if inflight <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length()
+def load_bucket(queued: float, rows: int = 1) -> tuple[float, int]:
+    """What an attempt is judged at: the executions it waits out first, and its rows, bucketed."""
+    return next((b for b in _LOAD_BUCKETS if queued <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length()
 
 
 # Why a worker was ejected, as counted (``infergate_worker_ejections_total{reason}``).
@@ -115,7 +117,7 @@ class _Circuit:
     closed_since: float = -math.inf  # when the circuit last closed after an ejection
     trials: int = 0
     reason: str = ""
-    latency: dict[tuple[str, tuple[int, int]], _Latency] = field(default_factory=dict)  # by (model, load bucket)
+    latency: dict[tuple[str, tuple[float, int]], _Latency] = field(default_factory=dict)  # by (model, load bucket)
 
 
 class OutlierDetector:
@@ -183,8 +185,8 @@ class OutlierDetector:
         return False
 
     def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *,
-                  load: int = 1, rows: int = 1) -> None:
-        """``load``: the batches its worker held as the attempt started (this one included); ``rows``: its batch's."""
+                  queued: float = 0.0, rows: int = 1) -> None:
+        """``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its batch's."""
         circuit = self._circuit(address)
         if trial:
             circuit.trials -= 1
@@ -197,7 +199,7 @@ class OutlierDetector:
         elif circuit.state is CircuitState.OPEN:
             return
         circuit.consecutive_failures = 0
-        self._observe_latency(circuit, model, latency_s, load_bucket(load, rows))
+        self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows))
 
     def failed(self, address: str, reason: str, trial: bool = False) -> None:
         circuit = self._circuit(address)
@@ -225,7 +227,7 @@ class OutlierDetector:
             circuit.consecutive_failures = 0
 
     def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False, *,
-                  load: int = 1, rows: int = 1) -> None:
+                  queued: float = 0.0, rows: int = 1) -> None:
         """The attempt was cancelled (a faster attempt won, or its caller left): no verdict.
 
         Its running time is still a lower bound of the worker's latency; a
@@ -235,7 +237,7 @@ class OutlierDetector:
         if trial:
             circuit.trials -= 1
         if circuit.state is CircuitState.CLOSED:
-            self._observe_latency(circuit, model, elapsed_s, load_bucket(load, rows))
+            self._observe_latency(circuit, model, elapsed_s, load_bucket(queued, rows))
 
     # ---- views -------------------------------------------------------------------
 
@@ -283,7 +285,7 @@ class OutlierDetector:
         circuit.latency.clear()
         log.info("worker %s: ejection over; trying it again", circuit.address)
 
-    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: tuple[int, int]) -> None:
+    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: tuple[float, int]) -> None:
         key = (model, bucket)
         stats = circuit.latency.get(key)
         if stats is None:
@@ -304,9 +306,8 @@ class OutlierDetector:
         mine = stats.median_s()
         if mine > factor * reference and mine - reference > self.settings.latency_min_excess_s:
             self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms against a median of "
-                                 f"{reference * 1e3:.1f} ms on its peers at the same load (up to {bucket[0]} batches "
-                                 f"of up to {bucket[1]} rows)", "latency",
-                        model=model)
+                                 f"{reference * 1e3:.1f} ms on its peers at the same load (batches of up to {bucket[1]} "
+                                 f"rows, waiting up to {bucket[0]:g} executions first)", "latency", model=model)
 
     def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False, model: str = "") -> None:
         """Open the circuit; unless ``force`` (a failed trial), only within the ejection share."""

@@ -210,17 +210,17 @@ def _request(model: str) -> service_pb2.ModelInferRequest:
 def test_latency_is_compared_only_at_the_same_load() -> None:
     d, _ = detector("a", "b", latency_min_samples=5)
     for _ in range(8):
-        d.succeeded("a", "m", 0.020, d.attempt_started("a"), load=1)  # idle
-        d.succeeded("b", "m", 0.200, d.attempt_started("b"), load=6)  # behind the gateway's own queue
+        d.succeeded("a", "m", 0.020, d.attempt_started("a"), queued=0)  # idle
+        d.succeeded("b", "m", 0.200, d.attempt_started("b"), queued=2)  # behind the gateway's own queue
     assert d.routable("b")  # loaded, not slow: no peer at its load to be slower than
     for _ in range(8):
-        d.succeeded("a", "m", 0.180, d.attempt_started("a"), load=6)
+        d.succeeded("a", "m", 0.180, d.attempt_started("a"), queued=2)
     assert d.routable("b")  # as fast as its peer at that load
     for _ in range(12):
-        d.succeeded("b", "m", 0.300, d.attempt_started("b"), load=1)  # idle, and still slow: slow
+        d.succeeded("b", "m", 0.300, d.attempt_started("b"), queued=0)  # idle, and still slow: slow
     assert not d.routable("b")
     (health,) = [h for h in d.snapshot() if h.address == "b"]
-    assert "at the same load (up to 1 batches of up to 1 rows)" in health.reason
+    assert "at the same load (batches of up to 1 rows, waiting up to 0 executions first)" in health.reason
 
 
 async def test_the_return_trial_runs_on_a_timer_without_traffic() -> None:
