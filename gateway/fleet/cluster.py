@@ -117,6 +117,10 @@ class Cluster:
                 pass
         await asyncio.gather(*(w.client.close(grace_s) for w in self._workers.values()))
 
+    def loop_stalled_s(self, since: float, until: float) -> float:
+        """How long the event loop could not run between two times of its clock (``gateway.fleet.probe_deadline``)."""
+        return self._stalls.stalled_s(since, until)
+
     def _probe_loop_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("cluster probe loop died", exc_info=task.exception())
