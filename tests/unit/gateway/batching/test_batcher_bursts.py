@@ -42,14 +42,24 @@ async def test_a_freed_slot_waits_for_a_full_batch_under_a_burst(rig) -> None:
 
 
 async def test_the_hold_ends_at_its_time_from_the_oldest_request(rig) -> None:
-    r = await rig(max_batch_size=4, burst_hold_us=HOLD_US)
+    r = await rig(max_batch_size=8, burst_hold_us=HOLD_US)
     await r.submit_all("a", "b")
-    await r.clock.advance(0.003)
-    await r.submit_all("c")
+    r.backend.complete(0)
+    for rid in "cdef":  # rows keep coming, each within a quarter of the hold of the last
+        await r.clock.advance(0.001)
+        await r.submit_all(rid)
+    assert r.batches() == [["a"]]
+    await r.clock.advance(0.0011)  # 5 ms since b arrived
+    assert r.batches() == [["a"], ["b", "c", "d", "e", "f"]]
+
+
+async def test_the_hold_ends_when_rows_stop_coming(rig) -> None:
+    r = await rig(max_batch_size=8, burst_hold_us=HOLD_US)
+    await r.submit_all("a", "b", "c")
     r.backend.complete(0)
     await r.clock.advance(0.001)
     assert r.batches() == [["a"]]
-    await r.clock.advance(0.0011)  # 5 ms since b arrived
+    await r.clock.advance(0.0003)  # 1.25 ms (a quarter of the hold) with no arrival: it stopped growing
     assert r.batches() == [["a"], ["b", "c"]]
 
 
