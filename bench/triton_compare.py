@@ -101,6 +101,8 @@ def main() -> int:
     parser.add_argument("--warmup", default="2s")
     parser.add_argument("--client-processes", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--without-burst-hold", action="store_true",
+                        help="also a gateway with batching.burst_hold_us 0 in front of the same worker")
     args = parser.parse_args()
 
     available, reason = triton_available()
@@ -118,15 +120,24 @@ def main() -> int:
                               "--log-level", "warning")
         procs.append(worker)
         gateways: dict[str, Proc] = {}
-        for name, address in (("triton", f"triton://{triton.grpc_url}"), ("worker", worker_url(worker))):
+        no_hold = workdir / "no_burst_hold.yaml"
+        no_hold.write_text("batching:\n  burst_hold_us: 0\n")
+        for name, address, extra in (("triton", f"triton://{triton.grpc_url}", []),
+                                     ("worker", worker_url(worker), []),
+                                     ("worker, no burst hold", worker_url(worker), ["--config", str(no_hold)])):
+            if name.endswith("no burst hold") and not args.without_burst_hold:
+                continue
             gateways[name] = start(["gateway", "--http-port", "0", "--grpc-port", "0", "--worker", address,
-                                    "--log-level", "WARNING"])
+                                    "--log-level", "WARNING", *extra])
             procs.append(gateways[name])
         targets = {
             "triton direct": triton.grpc_url,
             "gateway -> triton": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
             "gateway -> infergate worker": f"127.0.0.1:{gateways['worker'].ready['grpc_port']}",
         }
+        if args.without_burst_hold:  # the same gateway without batching.burst_hold_us, for a before/after
+            targets["gateway -> worker, no burst hold"] = (
+                f"127.0.0.1:{gateways['worker, no burst hold'].ready['grpc_port']}")
         results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in targets}
         for concurrency in args.concurrency:
             for name, url in targets.items():

@@ -190,6 +190,7 @@ def batch_policy_for(config: GatewayConfig) -> PolicyFor:
             default_mode=config.batching.mode,
             # Only the default: the model's own queue policy wins, the gateway config's entry for it wins over both.
             default_max_queue_size=config.batching.max_queue_size,
+            default_burst_hold_us=config.batching.burst_hold_us,
             # Triton servers run the config's dynamic batcher themselves.
             backend_batches=backend_batches,
         )

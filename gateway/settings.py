@@ -102,7 +102,9 @@ class BatchingSettings:
     Batches in flight per replica (0 = derived): busy = the replica's execution
     slots for the model (adaptive batching sends at once only below it), max =
     busy + 1; a batching model under ``light_row_ms`` a row is busy at 1, one at
-    or over it at max (gateway/routing/light.py).
+    or over it at max (gateway/routing/light.py). ``burst_hold_us``: under a
+    burst, how long a batch short of ``max_batch_size`` waits for more rows once
+    a slot frees (gateway/batching/batcher.py; 0 = it goes at once).
     """
 
     mode: str = "adaptive"
@@ -110,12 +112,14 @@ class BatchingSettings:
     max_inflight_per_replica: int = 0
     busy_inflight_per_replica: int = 0
     light_row_ms: float = 2.0
+    burst_hold_us: int = 5000
 
     def __post_init__(self) -> None:
         if self.mode not in BATCHING_MODES:
             raise ConfigError(f"batching.mode must be one of {BATCHING_MODES}, got {self.mode!r}")
         _positive("batching", self, "max_queue_size")
-        _not_negative("batching", self, "max_inflight_per_replica", "busy_inflight_per_replica", "light_row_ms")
+        _not_negative("batching", self, "max_inflight_per_replica", "busy_inflight_per_replica", "light_row_ms",
+                      "burst_hold_us")
 
 
 @dataclass(frozen=True, slots=True)

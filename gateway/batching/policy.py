@@ -70,6 +70,9 @@ class BatchPolicy:
     preserve_ordering: bool = False
     # Levels with a queue policy of their own (Triton's priority_queue_policy): (level, policy).
     priority_queue_policies: tuple[tuple[int, QueuePolicy], ...] = ()
+    # Adaptive mode under a burst: a batch whose requests found every slot busy waits up to
+    # this long for max_batch_size rows even once a slot frees (0 = it goes at once).
+    burst_hold_us: int = 0
 
     def queue_policy(self, level: int) -> QueuePolicy:
         """The queue policy of priority ``level`` (1-based): its own, else the default one
@@ -98,7 +101,8 @@ class BatchPolicy:
             problems.append(f"timeout_action must be REJECT or DELAY, not {self.timeout_action!r}")
         if self.max_queue_size < 1:
             problems.append("max_queue_size must be >= 1 (the gateway keeps every queue bounded)")
-        if self.max_queue_delay_us < 0 or self.default_timeout_us < 0 or self.priority_levels < 0:
+        if self.max_queue_delay_us < 0 or self.default_timeout_us < 0 or self.priority_levels < 0 \
+                or self.burst_hold_us < 0:
             problems.append("delays, timeouts and priority_levels must be >= 0")
         if self.priority_levels > 0 and not 1 <= self.default_priority_level <= self.priority_levels:
             problems.append("default_priority_level must be in 1..priority_levels")
@@ -120,6 +124,7 @@ class BatchPolicy:
         default_mode: BatchingMode = "adaptive",
         backend_batches: bool = False,
         default_max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        default_burst_hold_us: int = 0,
     ) -> BatchPolicy:
         """Read a model's Triton config; ``overrides`` (BatchPolicy field names) win.
 
@@ -138,9 +143,10 @@ class BatchPolicy:
         adaptive mode, even where the default mode is ``fixed``, and no queue
         delay of its own -- so a request waits out Triton's delay once, not
         twice; what queues here while every replica is busy still goes as one
-        batch, which Triton may merge further. ``off`` stays off.
+        batch, which Triton may merge further (no burst hold either). ``off`` stays off.
         """
-        values: dict[str, Any] = {"max_batch_size": max(cfg.max_batch_size, 0), "max_queue_size": default_max_queue_size}
+        values: dict[str, Any] = {"max_batch_size": max(cfg.max_batch_size, 0), "max_queue_size": default_max_queue_size,
+                                  "burst_hold_us": 0 if backend_batches else default_burst_hold_us}
         if cfg.HasField("dynamic_batching"):
             db = cfg.dynamic_batching
             qp = db.default_queue_policy

@@ -35,6 +35,7 @@ from types import MappingProxyType
 
 from tritonclient.grpc import model_config_pb2
 
+from gateway.fleet.probe_deadline import LoopStalls, within
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
 from gateway.fleet.view import ModelInfo, WorkerModel, WorkerState, WorkerStatus, version_key
 from gateway.fleet.worker_client import WorkerClient
@@ -80,6 +81,8 @@ class Cluster:
         self._models: dict[str, ModelInfo] = {}
         self._listeners: list[ChangeListener] = []
         self._task: asyncio.Task[None] | None = None
+        # A probe's timeout counts the loop's time only, not its stalls (gateway.fleet.probe_deadline).
+        self._stalls = LoopStalls()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -87,6 +90,7 @@ class Cluster:
         """Probe every worker once (bounded by ``start_timeout_s``), then keep probing."""
         if self._task is not None:
             return
+        self._stalls.start()
         try:
             await asyncio.wait_for(self._probe_all(force=True), self._start_timeout_s)
             # Workers whose models are looked up by name were probed beside the
@@ -104,6 +108,7 @@ class Cluster:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop probing and close every channel (pending calls get ``grace_s``)."""
         task, self._task = self._task, None
+        self._stalls.stop()
         if task is not None:
             task.cancel()
             try:
@@ -111,6 +116,10 @@ class Cluster:
             except asyncio.CancelledError:
                 pass
         await asyncio.gather(*(w.client.close(grace_s) for w in self._workers.values()))
+
+    def loop_stalled_s(self, since: float, until: float) -> float:
+        """How long the event loop could not run between two times of its clock (``gateway.fleet.probe_deadline``)."""
+        return self._stalls.stalled_s(since, until)
 
     def _probe_loop_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -247,7 +256,10 @@ class Cluster:
     async def _probe(self, worker: WorkerState, force: bool) -> None:
         async with worker.probe_lock:
             try:
-                result = await asyncio.wait_for(self._read_worker(worker, force), self._probe_timeout_s)
+                # Judged by what it waited on: not the gateway's own stalls, and a worker busy
+                # with calls of ours (a large message parsed on its loop) gets two timeouts more.
+                result = await within(self._read_worker(worker, force), self._probe_timeout_s, self._stalls,
+                                      busy=lambda: worker.inflight > 0)
             except (InferGateError, asyncio.TimeoutError) as e:
                 self._probe_failed(worker, str(e) or "probe timed out")
                 return
@@ -262,7 +274,8 @@ class Cluster:
         self, worker: WorkerState, force: bool
     ) -> tuple[frozenset[tuple[str, str]], dict[str, WorkerModel] | None]:
         """The worker's READY index, and its models' details when they may have changed (else None)."""
-        client, timeout_s = worker.client, self._probe_timeout_s
+        # Each call's own deadline is wide: ``within`` (in _probe) judges the probe's time.
+        client, timeout_s = worker.client, 3 * self._probe_timeout_s
         await check_health(client, worker.kind, timeout_s)
         index = await ready_index(worker, timeout_s, self._lookup_names)
         if not worker.is_up:

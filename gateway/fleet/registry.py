@@ -26,7 +26,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -42,6 +42,12 @@ from serverkit.tasks import log_task_death
 log = logging.getLogger(__name__)
 
 MetricsListener = Callable[[str, "str | None"], None]
+# (address, worker id): a worker whose heartbeats stopped, dropped here (gateway.multiproc.registrations).
+ExpiryListener = Callable[[str, str], Awaitable[None]]
+# A worker whose heartbeats reach this process only through another one (several gateway
+# processes) is dropped by that process, which passes its verdict on; here only after this
+# many of its heartbeat windows, in case that process went away too.
+RELAYED_WINDOWS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,9 @@ class Registry:
         self._listeners: list[MetricsListener] = []
         self._task: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[bool]] = set()
+        # Workers whose latest registration or heartbeat came relayed by another process.
+        self._relayed: set[str] = set()
+        self.on_expired: ExpiryListener | None = None
 
     def reports(self) -> Mapping[str, WorkerReport]:
         return MappingProxyType(self._reports)
@@ -175,15 +184,23 @@ class Registry:
         """Drop the workers whose heartbeats stopped; returns their addresses."""
         limit = self.heartbeat_interval_s * self.misses_to_down
         now = self.clock()
-        gone = [a for a, r in self._reports.items() if now - r.last_seen > limit]
+        # Silence is counted in the loop's own time: a heartbeat that waited unread while this
+        # process could not run (a loaded machine) is no missed heartbeat.
+        stalled = self.membership.cluster.loop_stalled_s
+        gone = [a for a, r in self._reports.items()
+                if now - r.last_seen - stalled(r.last_seen, now) > limit * (RELAYED_WINDOWS if a in self._relayed else 1)]
         for address in gone:
             report = self._reports.pop(address)
+            relayed = address in self._relayed
+            self._relayed.discard(address)
             log.warning("worker %s missed its heartbeats for %.1fs: it leaves the cluster", address, now - report.last_seen)
             worker = self.membership.cluster.worker(address)
             if worker is not None and self.membership.is_static(address):
                 self.membership.cluster.mark_down(worker, "missed heartbeats")
             self._metrics(address, None)
             await self._leave(address)
+            if self.on_expired is not None and not relayed:
+                await self.on_expired(address, report.worker_id)
         return gone
 
     async def _leave(self, address: str) -> None:
@@ -206,7 +223,9 @@ class Registry:
 
     # ---- the calls -----------------------------------------------------------
 
-    async def register(self, request: cluster_pb2.RegisterRequest) -> cluster_pb2.RegisterResponse:
+    async def register(self, request: cluster_pb2.RegisterRequest, *, relayed: bool = False
+                       ) -> cluster_pb2.RegisterResponse:
+        """``relayed``: passed on by the process the worker talks to (several gateway processes)."""
         address = request.address.strip()
         try:
             check_address(address)
@@ -219,6 +238,7 @@ class Registry:
         self._reports[address] = _report(address, request.worker_id, request.devices, request.load,
                                          backend=request.backend, version=request.version,
                                          metrics_port=request.metrics_port, registered_at=now, now=now)
+        self._relay(address, relayed)
         worker = await self.membership.join(WorkerSpec(address), REGISTERED)
         if previous is not None and previous.worker_id != request.worker_id:
             # A new process on a known address: a fresh member, not the one that was drained.
@@ -233,7 +253,13 @@ class Registry:
             self._metrics(address, f"http://{address.rpartition(':')[0]}:{request.metrics_port}/metrics")
         return cluster_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s, gateway_id=self.gateway_id)
 
-    def heartbeat(self, request: cluster_pb2.HeartbeatRequest) -> cluster_pb2.HeartbeatResponse:
+    def _relay(self, address: str, relayed: bool) -> None:
+        if relayed:
+            self._relayed.add(address)
+        else:
+            self._relayed.discard(address)
+
+    def heartbeat(self, request: cluster_pb2.HeartbeatRequest, *, relayed: bool = False) -> cluster_pb2.HeartbeatResponse:
         previous = self._reports.get(request.address)
         worker = self.membership.cluster.worker(request.address)
         if previous is None or previous.worker_id != request.worker_id or worker is None:
@@ -242,6 +268,7 @@ class Registry:
             request.address, request.worker_id, request.devices, request.load, backend=previous.backend,
             version=previous.version, metrics_port=previous.metrics_port, registered_at=previous.registered_at,
             now=self.clock())
+        self._relay(request.address, relayed)
         return cluster_pb2.HeartbeatResponse(known=True, draining=worker.draining,
                                              heartbeat_interval_s=self.heartbeat_interval_s)
 
@@ -250,6 +277,7 @@ class Registry:
         if previous is None or previous.worker_id != request.worker_id:
             return cluster_pb2.DeregisterResponse(known=False)
         del self._reports[request.address]
+        self._relayed.discard(request.address)
         log.info("worker %s deregistered (clean stop)", request.address)
         self._metrics(request.address, None)
         worker = self.membership.cluster.worker(request.address)

@@ -10,11 +10,19 @@ other process (``PEER_PREFIX/registry/<call>``, the request's bytes):
 - Register: when it returns, every process has the worker in its cluster,
   probed, so a request landing on any process can use it; a process that
   did not take it fails the registration, and the worker registers again;
-- Heartbeat: keeps the worker's report fresh in every process's registry
-  (each expires the worker on its own once heartbeats stop); when some
-  process does not know the worker, the answer is ``known: false``, so the
-  worker registers again, with every process;
+- Heartbeat: keeps the worker's report fresh in every process's registry;
+  when some process does not know the worker, the answer is ``known:
+  false``, so the worker registers again, with every process;
 - Deregister: takes the worker out of every process.
+
+Whether a worker's heartbeats stopped is decided once, by the process they
+reach, and passed on as a deregistration. The others hold a relayed
+worker for several windows more (``gateway.fleet.registry.RELAYED_WINDOWS``)
+before they drop it on their own: judged each on its own clock, a relayed
+heartbeat late by a fraction of a second on a loaded machine (0.6 s windows
+in the tests) dropped the worker from one process while another still
+served it -- "unknown model" there right after "ready" here, until the
+worker registered again.
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ class GroupRegistryService(RegistryService):
     def __init__(self, registry: Registry, group: ProcessGroup) -> None:
         super().__init__(registry)
         self._group = group
+        registry.on_expired = self._expired
+
+    async def _expired(self, address: str, worker_id: str) -> None:
+        """This process dropped a worker whose heartbeats stopped: so do the others."""
+        try:
+            await self._in_the_others("deregister", cluster_pb2.DeregisterRequest(address=address, worker_id=worker_id))
+        except Unavailable as e:  # they drop it on their own, later
+            log.warning("expiry of worker %s not passed on: %s", address, e)
 
     async def _in_the_others(self, call: str, request: Message) -> list[bytes]:
         return await self._group.gather("POST", f"registry/{call}", body=request.SerializeToString())
@@ -91,11 +107,11 @@ def registry_routes(registry: Registry) -> list[tuple[str, str, Handler]]:
     """The internal routes: another process's registration call, made in this one."""
 
     async def register(r: web.Request) -> web.Response:
-        response = await registry.register(cluster_pb2.RegisterRequest.FromString(await r.read()))
+        response = await registry.register(cluster_pb2.RegisterRequest.FromString(await r.read()), relayed=True)
         return web.Response(body=response.SerializeToString())
 
     async def heartbeat(r: web.Request) -> web.Response:
-        response = registry.heartbeat(cluster_pb2.HeartbeatRequest.FromString(await r.read()))
+        response = registry.heartbeat(cluster_pb2.HeartbeatRequest.FromString(await r.read()), relayed=True)
         return web.Response(body=response.SerializeToString())
 
     async def deregister(r: web.Request) -> web.Response:

@@ -82,6 +82,7 @@ class _Attempt(Generic[_W]):
     hang_at: float | None
     hung: bool = False
     settled: bool = False
+    load: float = 0.0  # the executions it waits out on its worker before its own (outlier judging)
 
 
 class AttemptRace(Generic[_W, _R]):
@@ -103,8 +104,10 @@ class AttemptRace(Generic[_W, _R]):
         acquire: Callable[[set[_W]], Awaitable[_W]],
         try_pick: Callable[[set[_W]], _W | None],
         send: Callable[[_W], Awaitable[_R]],
+        rows: int = 1,
     ) -> None:
         self._policy = policy
+        self._rows = rows  # the batch's rows: latencies are judged at the same batch size
         self._model = model
         self._deadline = deadline
         self._acquire = acquire
@@ -283,7 +286,16 @@ class AttemptRace(Generic[_W, _R]):
         if hedge is not None and len(self._pending) + (self._inline is not None) >= policy.hedge.max_extra_attempts:
             hedge = None  # no hedge of a hedge
         return _Attempt(worker, now, extra, trial, None if hedge is None else now + hedge,
-                        None if hang is None else now + hang)
+                        None if hang is None else now + hang, load=self._load_on(worker))
+
+    def _load_on(self, worker: _W) -> float:
+        """The executions an attempt starting now waits out on ``worker`` before its own starts: the
+        batches there (every model's; this one's send has not taken its slot yet) beyond the model's
+        execution slots, per slot. A waiting batch behind one slot waits a whole execution, behind
+        four a quarter of one on average."""
+        served = getattr(worker, "models", {}).get(self._model)
+        slots = max(1, getattr(served, "slots", 1))
+        return max(0, getattr(worker, "inflight", 0) + 1 - slots) / slots
 
     def _launch(self, worker: _W) -> None:
         """Start an extra attempt as a task (its budget token is already taken)."""
@@ -304,9 +316,9 @@ class AttemptRace(Generic[_W, _R]):
         elapsed = policy.clock.now() - attempt.started
         if cancelled or (attempt.hung and error is None):
             # No verdict: lost the race, or its caller left; its time is still a lower bound.
-            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial)
+            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial)
+            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
             policy.latency.observe(self._model, elapsed)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):

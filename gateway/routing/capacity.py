@@ -88,8 +88,9 @@ class InflightBounds:
         if not fixed_busy and served is not None and served.config.max_batch_size > 0:
             # Light: one batch runs, the rest batch up behind it. Heavy: the waiting
             # batch goes at once, to be on the worker when a slot frees.
-            verdict = self.row_costs.verdict(model)
-            busy, waiting = (busy, 1) if verdict is None else (1, 1) if verdict else (busy + 1, 0)
+            # Not judged yet counts as light: a first burst batches up instead of spreading over the slots.
+            if self.row_costs.threshold_s:  # the rule is on
+                busy, waiting = (busy + 1, 0) if self.row_costs.verdict(model) is False else (1, 1)
         most = fixed_most or busy + waiting
         return min(busy, most), most
 

@@ -9,6 +9,15 @@ that are up but serve badly, from the outcome of every routed attempt:
 * latency: a worker whose latency for a model (the median of its latest 16
   attempts) is ``latency_factor`` (3) times the median of that model's other
   replicas, and slower by at least ``latency_min_excess_s``, is ejected too.
+  Latencies are compared only at the same load and batch size: each attempt
+  is filed under its load -- the executions it waits out on its worker
+  before its own starts (the batches there beyond the model's execution
+  slots, per slot: 0, up to 1/2, 1, 2, more) -- and its batch's rows
+  (rounded up to a power of two), and a worker is judged against its peers'
+  attempts filed alike. A worker the
+  gateway itself loads (a burst queued behind its batches) is slower than an
+  idle peer by the gateway's own doing, not its fault; a truly slow worker is
+  slower than its peers at every load.
 
 Each worker's circuit is CLOSED (in rotation), OPEN (ejected: no new
 attempts) or HALF_OPEN (the ejection ran out: one trial attempt at a time;
@@ -49,6 +58,14 @@ log = logging.getLogger(__name__)
 _LATENCY_WINDOW = 16
 # Judging a latency costs a few sorts: done on every few samples, not each one.
 _JUDGE_EVERY = 4
+# Load buckets: the executions an attempt waits out on its worker before its own, rounded up to these.
+_LOAD_BUCKETS = (0.0, 0.5, 1.0, 2.0)
+_MOST_LOAD = 4.0
+
+
+def load_bucket(queued: float, rows: int = 1) -> tuple[float, int]:
+    """What an attempt is judged at: the executions it waits out first, and its rows, bucketed."""
+    return next((b for b in _LOAD_BUCKETS if queued <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length()
 
 
 # Why a worker was ejected, as counted (``infergate_worker_ejections_total{reason}``).
@@ -100,7 +117,7 @@ class _Circuit:
     closed_since: float = -math.inf  # when the circuit last closed after an ejection
     trials: int = 0
     reason: str = ""
-    latency: dict[str, _Latency] = field(default_factory=dict)
+    latency: dict[tuple[str, tuple[float, int]], _Latency] = field(default_factory=dict)  # by (model, load bucket)
 
 
 class OutlierDetector:
@@ -110,6 +127,8 @@ class OutlierDetector:
 
     def __init__(self, settings: OutlierSettings | None = None, *, clock: Callable[[], float] | None = None) -> None:
         self.settings = settings or OutlierSettings()
+        # Told of each ejection: (address, model or "", seconds): gateway.routing.outlier_trials.
+        self.on_eject: Callable[[str, str, float], None] | None = None
         self._now = clock or time.monotonic
         self._circuits: dict[str, _Circuit] = {}
         # Ejections ever made, by (address, kind): kind is "failures", "latency" or "trial".
@@ -165,7 +184,9 @@ class OutlierDetector:
             return True
         return False
 
-    def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False) -> None:
+    def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *,
+                  queued: float = 0.0, rows: int = 1) -> None:
+        """``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its batch's."""
         circuit = self._circuit(address)
         if trial:
             circuit.trials -= 1
@@ -178,7 +199,7 @@ class OutlierDetector:
         elif circuit.state is CircuitState.OPEN:
             return
         circuit.consecutive_failures = 0
-        self._observe_latency(circuit, model, latency_s)
+        self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows))
 
     def failed(self, address: str, reason: str, trial: bool = False) -> None:
         circuit = self._circuit(address)
@@ -195,7 +216,18 @@ class OutlierDetector:
         if limit and circuit.consecutive_failures >= limit:
             self._eject(circuit, f"{circuit.consecutive_failures} consecutive failures, last: {reason}", "failures")
 
-    def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False) -> None:
+    def trial_passed(self, address: str) -> None:
+        """A synthetic return trial (no model latency to file) succeeded: the circuit closes."""
+        circuit = self._circuit(address)
+        circuit.trials = max(0, circuit.trials - 1)
+        if circuit.state is CircuitState.HALF_OPEN:
+            log.info("worker %s: return trial succeeded; circuit closed", address)
+            circuit.state = CircuitState.CLOSED
+            circuit.closed_since = self._now()
+            circuit.consecutive_failures = 0
+
+    def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False, *,
+                  queued: float = 0.0, rows: int = 1) -> None:
         """The attempt was cancelled (a faster attempt won, or its caller left): no verdict.
 
         Its running time is still a lower bound of the worker's latency; a
@@ -205,7 +237,7 @@ class OutlierDetector:
         if trial:
             circuit.trials -= 1
         if circuit.state is CircuitState.CLOSED:
-            self._observe_latency(circuit, model, elapsed_s)
+            self._observe_latency(circuit, model, elapsed_s, load_bucket(queued, rows))
 
     # ---- views -------------------------------------------------------------------
 
@@ -253,29 +285,31 @@ class OutlierDetector:
         circuit.latency.clear()
         log.info("worker %s: ejection over; trying it again", circuit.address)
 
-    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float) -> None:
-        stats = circuit.latency.get(model)
+    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: tuple[float, int]) -> None:
+        key = (model, bucket)
+        stats = circuit.latency.get(key)
         if stats is None:
-            stats = circuit.latency[model] = _Latency()
+            stats = circuit.latency[key] = _Latency()
         stats.add(latency_s)
         factor, least = self.settings.latency_factor, self.settings.latency_min_samples
         if not factor or stats.samples < least or (stats.samples - least) % _JUDGE_EVERY:
             return
-        peers = [
-            c.latency[model].median_s()
+        peers = [  # the model's other replicas under the same load
+            c.latency[key].median_s()
             for c in self._circuits.values()
             if c is not circuit and c.state is CircuitState.CLOSED and c.up
-            and model in c.latency and c.latency[model].samples >= least
+            and key in c.latency and c.latency[key].samples >= least
         ]
         if not peers:
             return
         reference = statistics.median(peers)
         mine = stats.median_s()
         if mine > factor * reference and mine - reference > self.settings.latency_min_excess_s:
-            self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms "
-                                 f"against a median of {reference * 1e3:.1f} ms on its peers", "latency")
+            self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms against a median of "
+                                 f"{reference * 1e3:.1f} ms on its peers at the same load (batches of up to {bucket[1]} "
+                                 f"rows, waiting up to {bucket[0]:g} executions first)", "latency", model=model)
 
-    def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False) -> None:
+    def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False, model: str = "") -> None:
         """Open the circuit; unless ``force`` (a failed trial), only within the ejection share."""
         now = self._now()
         if not force:
@@ -296,3 +330,5 @@ class OutlierDetector:
         circuit.consecutive_failures = 0
         circuit.reason = reason
         log.warning("worker %s ejected for %.1fs (ejection %d): %s", circuit.address, duration, circuit.ejections, reason)
+        if self.on_eject is not None:
+            self.on_eject(circuit.address, model, duration)

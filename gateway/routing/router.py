@@ -52,6 +52,7 @@ from gateway.routing.choice import LeastLoaded, ReplicaChooser
 from gateway.routing.hedging import AttemptPolicy, LatencyTracker
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
+from gateway.routing.outlier_trials import ReturnTrials
 from gateway.routing.retry_budget import Backoff, RetryBudget
 from gateway.settings import HedgeSettings
 from protos import wire
@@ -108,6 +109,9 @@ class Router:
         # Replicas going up or down change every model's capacity (and reset a returning worker's circuit).
         self._unsubscribe: Callable[[], None] = cluster.on_change(self._cluster_changed)
         self.outliers.sync((w.address, w.is_up) for w in cluster.workers())
+        # An ejected worker is tried again when its ejection runs out, traffic or not.
+        self.return_trials = ReturnTrials(self.outliers, self._return_probe)
+        self.outliers.on_eject = self.return_trials.ejected
 
     @property
     def row_costs(self) -> RowCosts:
@@ -124,6 +128,14 @@ class Router:
     def close(self) -> None:
         self._unsubscribe()
         self._wake_all()
+        self.outliers.on_eject = None
+        self.return_trials.cancel()
+
+    async def _return_probe(self, address: str, model: str) -> bool:
+        worker = next((w for w in self.cluster.workers() if w.address == address), None)
+        if worker is None:
+            return False
+        return await (worker.client.model_ready(model) if model else worker.client.server_ready())
 
     def capacity(self, model: str, version: str = "") -> ModelCapacity:
         by_version = self._capacities.setdefault(model, {})
@@ -179,6 +191,7 @@ class Router:
             acquire=acquire,
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
             send=lambda worker: self._attempt(worker, model, version, request, deadline, slot_taken),
+            rows=_rows(request),
         )
         try:
             return await race.run()

@@ -169,3 +169,33 @@ async def test_triton_dns_names_make_triton_workers() -> None:
         assert worker.address == A and worker.kind == "triton"
     finally:
         await cluster.stop()
+
+
+async def test_a_relayed_worker_is_dropped_by_the_process_it_talks_to_then_by_the_others() -> None:
+    clock = FakeClock()
+    cluster, membership = await make_cluster()
+    registry = Registry(membership, heartbeat_interval_s=1.0, misses_to_down=3, clock=clock)
+    told: list[tuple[str, str]] = []
+
+    async def expired(address: str, worker_id: str) -> None:
+        told.append((address, worker_id))
+
+    registry.on_expired = expired
+    try:
+        await registry.register(register_request(A, "a"), relayed=True)  # another process took the call
+        await registry.register(register_request(B, "b"))  # this one did
+        clock.now += 3.5  # both past one window of 3 heartbeats
+        assert await registry.expire() == [B]  # its own verdict, passed on to the others
+        assert told == [(B, "b")] and cluster.worker(A) is not None
+        beat = cluster_pb2.HeartbeatRequest(address=A, worker_id="a")
+        assert registry.heartbeat(beat, relayed=True).known
+        clock.now += 14.0  # under five windows since the relayed heartbeat: the other process decides
+        assert await registry.expire() == []
+        assert (await registry.deregister(cluster_pb2.DeregisterRequest(address=A, worker_id="a"))).known
+        assert cluster.worker(A) is None
+        # A relayed worker whose process went away too is dropped here after five windows, not passed on.
+        await registry.register(register_request(C, "c"), relayed=True)
+        clock.now += 15.1
+        assert await registry.expire() == [C] and told == [(B, "b")]
+    finally:
+        await cluster.stop()

@@ -205,3 +205,67 @@ async def test_router_skips_ejected_replicas_and_panics_when_all_are() -> None:
 
 def _request(model: str) -> service_pb2.ModelInferRequest:
     return service_pb2.ModelInferRequest(model_name=model)
+
+
+def test_latency_is_compared_only_at_the_same_load() -> None:
+    d, _ = detector("a", "b", latency_min_samples=5)
+    for _ in range(8):
+        d.succeeded("a", "m", 0.020, d.attempt_started("a"), queued=0)  # idle
+        d.succeeded("b", "m", 0.200, d.attempt_started("b"), queued=2)  # behind the gateway's own queue
+    assert d.routable("b")  # loaded, not slow: no peer at its load to be slower than
+    for _ in range(8):
+        d.succeeded("a", "m", 0.180, d.attempt_started("a"), queued=2)
+    assert d.routable("b")  # as fast as its peer at that load
+    for _ in range(12):
+        d.succeeded("b", "m", 0.300, d.attempt_started("b"), queued=0)  # idle, and still slow: slow
+    assert not d.routable("b")
+    (health,) = [h for h in d.snapshot() if h.address == "b"]
+    assert "at the same load (batches of up to 1 rows, waiting up to 0 executions first)" in health.reason
+
+
+async def test_the_return_trial_runs_on_a_timer_without_traffic() -> None:
+    import asyncio
+
+    from gateway.routing.outlier_trials import ReturnTrials
+
+    d, clock = detector("a", "b", consecutive_failures=2, base_ejection_s=30.0)
+    probed: list[tuple[str, str]] = []
+    sleeping: list[tuple[float, asyncio.Future[None]]] = []
+    answer = {"ready": False}
+
+    async def probe(address: str, model: str) -> bool:
+        probed.append((address, model))
+        return answer["ready"]
+
+    async def sleep(s: float) -> None:
+        wake = asyncio.get_running_loop().create_future()
+        sleeping.append((s, wake))
+        await wake
+
+    async def time_passes() -> None:  # the fake clock moves by what the waiting trial waits
+        s, wake = sleeping.pop(0)
+        clock.t += s
+        wake.set_result(None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    trials = ReturnTrials(d, probe, sleep=sleep)
+    d.on_eject = trials.ejected
+    fail(d, "b", 2)
+    await asyncio.sleep(0)
+    assert d.state("b") is CircuitState.OPEN and probed == [] and sleeping[0][0] == 30.0
+    await time_passes()
+    assert probed == [("b", "")]  # no client request came: the timer tried it
+    assert d.state("b") is CircuitState.OPEN and sleeping[0][0] == 60.0  # not ready: ejected again, for longer
+    answer["ready"] = True
+    await time_passes()
+    assert d.state("b") is CircuitState.CLOSED and not sleeping
+    trials.cancel()
+
+
+def test_latency_is_compared_only_at_the_same_batch_size() -> None:
+    d, _ = detector("a", "b", latency_min_samples=5)
+    for _ in range(12):
+        d.succeeded("a", "m", 0.020, d.attempt_started("a"), rows=1)
+        d.succeeded("b", "m", 0.150, d.attempt_started("b"), rows=64)  # the burst's full batches
+    assert d.routable("b")
