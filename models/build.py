@@ -157,7 +157,7 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
             sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(data_type=spec.data_type, dims=spec.dims,
                                                                     random_data=True))
     # No instance_group: the server decides -- one instance per GPU, or on the CPU
-    # as many as keep every core busy (our worker; see workers/backends/onnx.py).
+    # as many as keep every core busy (our worker; see execution/backends/onnx.py).
     return config
 
 

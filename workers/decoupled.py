@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 
 from tritonclient.grpc import service_pb2
 
-from workers.model import LoadedModel
-from workers.tensors import encode_response
+from execution.model import LoadedModel
+from execution.tensors import encode_response
 
 FINAL_RESPONSE = "triton_final_response"
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"

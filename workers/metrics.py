@@ -33,7 +33,7 @@ from serverkit.nvml import Nvml
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
-    from workers.manager import ModelManager
+    from execution.manager import ModelManager
 
 logger = logging.getLogger(__name__)
 

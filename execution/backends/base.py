@@ -171,9 +171,9 @@ BackendFactory = Callable[[BackendOptions], Backend]
 # name -> "module:function" (imported on first use, so a backend's heavy
 # imports are paid only by the processes that choose it) or a factory.
 _REGISTRY: dict[str, str | BackendFactory] = {
-    "onnx": "workers.backends.onnx:create_backend",
-    "sim": "workers.backends.sim:create_backend",
-    "python": "workers.backends.python:create_backend",
+    "onnx": "execution.backends.onnx:create_backend",
+    "sim": "execution.backends.sim:create_backend",
+    "python": "execution.backends.python:create_backend",
 }
 
 # A config's ``backend`` value -> the registry name of the backend that serves
