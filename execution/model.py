@@ -78,6 +78,11 @@ class LoadedModel:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def instances(self) -> list[ModelInstance]:
+        """The version's instances (for metrics that read them, e.g. a generation instance's sequences)."""
+        return list(self._instances)
+
     async def infer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
         """Run one request; raises InferGateError subclasses for anything the client got wrong."""
         if self.gateway_only:
