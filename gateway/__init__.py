@@ -33,8 +33,9 @@ being built.
 18. ``app``: process wiring: which parts start and stop in which order.
 19. ``up``: a local cluster (workers and a gateway) in one command.
 
-May import, besides: ``protos``, ``serverkit``, ``splitter``; never
-``workers``, ``loadtest`` or ``batchjobs``.
+May import, besides: ``execution`` (models run in this process, as a local
+replica), ``protos``, ``serverkit``, ``splitter``; never ``workers``,
+``loadtest`` or ``batchjobs``.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The worker's ``inference.GRPCInferenceService``: the KServe v2 RPCs with
 Triton's extensions (model configuration, repository, statistics), on
-grpc.aio, over the :class:`~workers.manager.ModelManager`.
+grpc.aio, over the :class:`~execution.manager.ModelManager`.
 
 This module is the worker's one error edge: handlers raise
 ``protos.errors.InferGateError`` subclasses and :func:`_rpc` turns them into
@@ -27,9 +27,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
 from serverkit import tracing
-from workers.backends.run_errors import clean_message
+from execution.backends.run_errors import clean_message
 from workers.decoupled import serve_decoupled
-from workers.manager import ModelManager
+from execution.manager import ModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
-        # No await between the lookup and infer() counting itself in flight: see workers.model.
+        # No await between the lookup and infer() counting itself in flight: see execution.model.
         if tracing.tracer is None:  # tracing off: this one check
             return await self.manager.get(request.model_name, request.model_version).infer(request)
         # The compute span, a child of the caller's span when its traceparent says so.

@@ -25,7 +25,7 @@ from workers.metrics import (
     WorkerModelCollector,
     render_text,
 )
-from workers.stats import ExecutionTiming, ModelStats
+from execution.stats import ExecutionTiming, ModelStats
 
 
 class Families(Collector):

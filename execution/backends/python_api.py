@@ -11,7 +11,7 @@ requested outputs, response sender, cancellation), ``InferenceResponse``,
 the type tables (``triton_string_to_numpy`` and friends), the BYTES
 (de)serialisers, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` and ``Logger``.
 
-``workers.backends.python`` puts this module into ``sys.modules`` under the
+``execution.backends.python`` puts this module into ``sys.modules`` under the
 name ``triton_python_backend_utils`` while Python models are loaded. What a
 sender receives goes to a :class:`ResponseSink`, which that module provides:
 a model may send from any thread, so a sink must be thread-safe.
@@ -219,7 +219,7 @@ class InferenceResponse:
 
 
 class ResponseSink(Protocol):
-    """Where a request's responses go (``workers.backends.python`` provides it). Thread-safe."""
+    """Where a request's responses go (``execution.backends.python`` provides it). Thread-safe."""
 
     def send(self, response: InferenceResponse | None, final: bool) -> None: ...
 

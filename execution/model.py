@@ -28,10 +28,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
 from protos.errors import Internal, InvalidArgument, Overloaded, Unsupported
-from workers.backends.base import DecoupledInstance, ModelInstance, RequestContext, StreamEvent
-from workers.sequences import SequenceBook, SequenceSettings, read_flags
-from workers.stats import ExecutionTiming, ModelStats
-from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
+from execution.backends.base import DecoupledInstance, ModelInstance, RequestContext, StreamEvent
+from execution.sequences import SequenceBook, SequenceSettings, read_flags
+from execution.stats import ExecutionTiming, ModelStats
+from execution.tensors import ModelSignature, check_request, decode_inputs, encode_response
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ class LoadedModel:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    @property
+    def instances(self) -> list[ModelInstance]:
+        """The version's instances (for metrics that read them, e.g. a generation instance's sequences)."""
+        return list(self._instances)
 
     async def infer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
         """Run one request; raises InferGateError subclasses for anything the client got wrong."""
@@ -213,7 +218,7 @@ class LoadedModel:
     async def _infer_in_sequence(
         self, request: service_pb2.ModelInferRequest, batch_size: int, output_names: list[str]
     ) -> tuple[int, int, dict[str, np.ndarray], int]:
-        """One request of a sequence, after the earlier ones of its sequence (see ``workers.sequences``)."""
+        """One request of a sequence, after the earlier ones of its sequence (see ``execution.sequences``)."""
         book = self.sequences
         assert book is not None
         if self.config.max_batch_size > 0 and batch_size != 1:

@@ -6,7 +6,7 @@ Rules, as in Triton:
 - An ensemble (``platform: "ensemble"``) is run by the gateway, not here: its
   versions hold the config and no instance, so the index, ModelConfig and
   ModelMetadata report it and ModelInfer refuses it (UNIMPLEMENTED).
-- A new version runs its ``model_warmup`` samples (``workers.warmup``) on
+- A new version runs its ``model_warmup`` samples (``execution.warmup``) on
   every instance before it is installed: READY means warmed up.
 - A reload builds the new versions first and swaps them in at once; the old
   versions finish their in-flight requests and are then closed. A failed
@@ -40,11 +40,11 @@ from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
 from protos.execution_slots import set_execution_slots
-from workers.backends.base import Backend, ConfigBackends, ModelInstance, Placement
-from workers.model import LoadedModel
-from workers.sequences import SequenceSettings
-from workers.warmup import WarmupSample, run_warmup, warmup_samples
-from workers.repository import (
+from execution.backends.base import Backend, ConfigBackends, ModelInstance, Placement
+from execution.model import LoadedModel
+from execution.sequences import SequenceSettings
+from execution.warmup import WarmupSample, run_warmup, warmup_samples
+from execution.repository import (
     ModelRepository,
     available_versions,
     check_model_name,

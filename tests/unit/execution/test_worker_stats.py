@@ -1,8 +1,8 @@
-"""Unit tests for workers/stats.py: Triton's ModelStatistics counters."""
+"""Unit tests for execution/stats.py: Triton's ModelStatistics counters."""
 
 from __future__ import annotations
 
-from workers.stats import ExecutionTiming, ModelStats
+from execution.stats import ExecutionTiming, ModelStats
 
 
 def timing(batch: int, base: int) -> ExecutionTiming:

@@ -29,8 +29,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from protos import codec
 from protos.errors import InferGateError, InvalidArgument
-from workers.backends.base import ModelInstance
-from workers.repository import wire_datatype
+from execution.backends.base import ModelInstance
+from execution.repository import wire_datatype
 
 logger = logging.getLogger(__name__)
 

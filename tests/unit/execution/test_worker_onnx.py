@@ -1,4 +1,4 @@
-"""Unit tests for workers/backends/onnx.py: Triton-style config auto-complete,
+"""Unit tests for execution/backends/onnx.py: Triton-style config auto-complete,
 device choice and sessions (real ONNX Runtime on the CPU, no sockets)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
 from tests.poison_models import pair_model
-from workers.backends.base import BackendOptions, Placement, create_backend
-from workers.backends.onnx import DEFAULT_MAX_BATCH_SIZE, OnnxBackend, default_intra_op_threads
-from workers.devices import cuda_device_count
+from execution.backends.base import BackendOptions, Placement, create_backend
+from execution.backends.onnx import DEFAULT_MAX_BATCH_SIZE, OnnxBackend, default_intra_op_threads
+from execution.devices import cuda_device_count
 
 
 def add_model(first_dim: int | str = "batch", elem: int = TensorProto.FLOAT, width: int = 4) -> onnx.ModelProto:
@@ -140,8 +140,8 @@ async def test_a_refused_request_answers_with_onnx_runtimes_words_and_prints_not
     tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Our log at info, as a worker runs by default; the refusal itself is logged at debug.
-    caplog.set_level(logging.INFO, logger="workers.backends.onnx")
-    caplog.set_level(logging.DEBUG, logger="workers.backends.run_errors")
+    caplog.set_level(logging.INFO, logger="execution.backends.onnx")
+    caplog.set_level(logging.DEBUG, logger="execution.backends.run_errors")
     quiet = OnnxBackend(BackendOptions(device="cpu", intra_op_threads=1, execution_threads=1))
     try:
         version_dir = write_model(tmp_path / "pair", pair_model())

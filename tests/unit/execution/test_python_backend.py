@@ -1,4 +1,4 @@
-"""The Python backend (workers/backends/python.py) and a decoupled model's
+"""The Python backend (execution/backends/python.py) and a decoupled model's
 request pipeline (``LoadedModel.stream``), on model.py files written here:
 Triton's ``initialize`` args, ordinary and decoupled execution, errors,
 cancellation and the instance it frees, ``finalize``, and the
@@ -20,10 +20,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2
 
 from protos.errors import Internal, InvalidArgument, Unsupported
-from workers.backends import python_api
-from workers.backends.base import BackendOptions, ConfigBackends, Placement, StreamEvent
-from workers.backends.python import UTILS_MODULE, PythonBackend, PythonInstance
-from workers.model import LoadedModel
+from execution.backends import python_api
+from execution.backends.base import BackendOptions, ConfigBackends, Placement, StreamEvent
+from execution.backends.python import UTILS_MODULE, PythonBackend, PythonInstance
+from execution.model import LoadedModel
 
 CPU = Placement("cpu")
 

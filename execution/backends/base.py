@@ -105,6 +105,8 @@ class StreamEvent:
     outputs: Mapping[str, np.ndarray]
     final: bool
     error: InferGateError | None = None
+    # Response parameters (str, int, float or bool values), e.g. a generation's finish_reason on its final response.
+    parameters: Mapping[str, object] = field(default_factory=dict)
 
 
 class DecoupledInstance(Protocol):
@@ -171,14 +173,16 @@ BackendFactory = Callable[[BackendOptions], Backend]
 # name -> "module:function" (imported on first use, so a backend's heavy
 # imports are paid only by the processes that choose it) or a factory.
 _REGISTRY: dict[str, str | BackendFactory] = {
-    "onnx": "workers.backends.onnx:create_backend",
-    "sim": "workers.backends.sim:create_backend",
-    "python": "workers.backends.python:create_backend",
+    "onnx": "execution.backends.onnx:create_backend",
+    "sim": "execution.backends.sim:create_backend",
+    "python": "execution.backends.python:create_backend",
+    "generate": "execution.backends.generate:create_backend",
 }
 
 # A config's ``backend`` value -> the registry name of the backend that serves
-# it whatever ``--backend`` says: Python models run their own code.
-CONFIG_BACKENDS: Mapping[str, str] = {"python": "python"}
+# it whatever ``--backend`` says: Python models run their own code, generation
+# models their own decoding loop.
+CONFIG_BACKENDS: Mapping[str, str] = {"python": "python", "generate": "generate"}
 
 
 def register_backend(name: str, factory: str | BackendFactory) -> None:

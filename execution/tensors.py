@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2
 
 from protos import codec, contents_codec
 from protos.errors import InvalidArgument, Unsupported
-from workers.repository import wire_datatype
+from execution.repository import wire_datatype
 
 _SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 

@@ -26,7 +26,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
-from workers.backends.base import DeviceKind, Placement
+from execution.backends.base import DeviceKind, Placement
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Unit tests for workers/manager.py and workers/model.py with a fake backend:
+"""Unit tests for execution/manager.py and execution/model.py with a fake backend:
 lookups, the instance pool, overload, drain on unload, reload, override
 staging and statistics. No sockets, no ONNX Runtime."""
 
@@ -17,9 +17,9 @@ from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument
 from protos.execution_slots import PARAMETER, execution_slots
-from workers.backends.base import Placement
-from workers.manager import ModelManager
-from workers.repository import ModelRepository
+from execution.backends.base import Placement
+from execution.manager import ModelManager
+from execution.repository import ModelRepository
 
 CONFIG = """
 name: "m"
@@ -343,7 +343,7 @@ async def test_the_load_line_says_what_runs_each_version(tmp_path: Path, caplog:
         'ensemble_scheduling { step { model_name: "m" model_version: -1 input_map { key: "X" value: "X" }'
         ' output_map { key: "Y" value: "Y" } } }\n')
     manager = ModelManager(ModelRepository(repo), FakeBackend(), staging_root=tmp_path / "staging")
-    caplog.set_level(logging.INFO, logger="workers.manager")
+    caplog.set_level(logging.INFO, logger="execution.manager")
     try:
         await manager.load("m")
         await manager.load("e")

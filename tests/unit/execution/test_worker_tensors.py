@@ -1,4 +1,4 @@
-"""Unit tests for workers/tensors.py: request checks, decoding and response encoding."""
+"""Unit tests for execution/tensors.py: request checks, decoding and response encoding."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2
 
 from protos import codec
 from protos.errors import InferGateError
-from workers.tensors import ModelSignature, check_request, decode_inputs, encode_response
+from execution.tensors import ModelSignature, check_request, decode_inputs, encode_response
 
 SIMPLE = ModelSignature.from_config(
     text_format.Parse(

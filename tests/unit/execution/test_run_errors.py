@@ -1,4 +1,4 @@
-"""Tests for workers/backends/run_errors.py: ONNX Runtime's real run failures,
+"""Tests for execution/backends/run_errors.py: ONNX Runtime's real run failures,
 classified as the request's fault or the server's, with clean messages."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from protos.errors import Internal, InvalidArgument
 from tests.poison_models import MAX_SEQUENCE, encoder_model, fill_model, pair_model
-from workers.backends.run_errors import classify_run_error, clean_message
+from execution.backends.run_errors import classify_run_error, clean_message
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

@@ -43,8 +43,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from protos import codec
 from protos.errors import InvalidArgument
-from workers.backends.base import BackendOptions, Placement
-from workers.repository import wire_datatype
+from execution.backends.base import BackendOptions, Placement
+from execution.repository import wire_datatype
 
 logger = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ from protos.errors import (
     Unavailable,
     Unsupported,
 )
-from workers.backends import python_api as api
-from workers.backends.base import BackendOptions, Placement, RequestContext, StreamEvent
+from execution.backends import python_api as api
+from execution.backends.base import BackendOptions, Placement, RequestContext, StreamEvent
 
 logger = logging.getLogger(__name__)
 

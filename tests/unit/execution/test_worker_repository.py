@@ -1,4 +1,4 @@
-"""Unit tests for workers/repository.py: config parsing, versions, instance groups, staging."""
+"""Unit tests for execution/repository.py: config parsing, versions, instance groups, staging."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
-from workers.backends.base import Placement
-from workers.repository import (
+from execution.backends.base import Placement
+from execution.repository import (
     ModelRepository,
     available_versions,
     check_model_name,

@@ -7,7 +7,7 @@ cores, so concurrent executions never oversubscribe the CPU. The event loop
 only awaits the pool.
 
 Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
-provider *and* the CUDA driver reports a device (see ``workers.devices``);
+provider *and* the CUDA driver reports a device (see ``execution.devices``);
 otherwise the CPU provider runs everything.
 
 Strings: ONNX Runtime's string tensors hold text. BYTES inputs arrive as
@@ -41,10 +41,10 @@ import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
-from workers.backends.base import BackendOptions, Placement
-from workers.backends.run_errors import classify_run_error
-from workers.devices import cpu_count, cuda_device_count
-from workers.sequences import server_filled_inputs
+from execution.backends.base import BackendOptions, Placement
+from execution.backends.run_errors import classify_run_error
+from execution.devices import cpu_count, cuda_device_count
+from execution.sequences import server_filled_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class OnnxBackend:
             _check_against_model(config, tensor, model_inputs, "input")
         for tensor in config.output:
             _check_against_model(config, tensor, model_outputs, "output")
-        # Control and state inputs of a stateful model are filled in by the worker (workers.sequences).
+        # Control and state inputs of a stateful model are filled in by the worker (execution.sequences).
         declared = {t.name for t in config.input} | server_filled_inputs(config)
         missing = [name for name in model_inputs if name not in declared]
         if missing:

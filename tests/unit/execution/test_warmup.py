@@ -13,9 +13,9 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
-from workers.backends.base import Placement
-from workers.manager import ModelManager
-from workers.repository import ModelRepository
+from execution.backends.base import Placement
+from execution.manager import ModelManager
+from execution.repository import ModelRepository
 
 CONFIG = """
 name: "m"

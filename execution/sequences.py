@@ -41,7 +41,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from protos import codec
 from protos.errors import InferGateError, InvalidArgument
-from workers.repository import wire_datatype
+from execution.repository import wire_datatype
 
 SEQUENCE_ID = "sequence_id"
 SEQUENCE_START = "sequence_start"

@@ -1,5 +1,5 @@
 """``initial_state`` of a stateful model's ``sequence_batching.state``
-(workers/sequences.py): zeros, or a ``data_file`` read from the model's
+(execution/sequences.py): zeros, or a ``data_file`` read from the model's
 ``initial_state/`` directory at load, each mistake refused naming the state."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from models.sequences import accumulate, accumulate_seeded
 from protos.errors import InvalidArgument
-from workers.sequences import SequenceBook, SequenceFlags, SequenceSettings, server_filled_inputs
+from execution.sequences import SequenceBook, SequenceFlags, SequenceSettings, server_filled_inputs
 
 
 def _seeded(tmp_path: Path, data: bytes | None, data_file: str = "seed.bin") -> mc.ModelConfig:

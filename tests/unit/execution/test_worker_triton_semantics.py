@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from protos.errors import InvalidArgument
-from tests.unit.workers.test_worker_manager import CONFIG, CONFIG_JSON, FakeBackend, make_repo, request, result
-from workers.manager import ModelManager
-from workers.repository import ModelRepository, missing_versions, select_versions
+from tests.unit.execution.test_worker_manager import CONFIG, CONFIG_JSON, FakeBackend, make_repo, request, result
+from execution.manager import ModelManager
+from execution.repository import ModelRepository, missing_versions, select_versions
 from tritonclient.grpc import model_config_pb2 as mc
 
 

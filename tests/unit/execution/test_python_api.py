@@ -1,4 +1,4 @@
-"""The worker's own ``triton_python_backend_utils`` (workers/backends/python_api.py):
+"""The worker's own ``triton_python_backend_utils`` (execution/backends/python_api.py):
 Triton's names and meanings for tensors, requests, responses, the response
 sender, errors, the config helpers, type tables, BYTES (de)serialisers and
 the logger."""
@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from workers.backends import python_api as pb
+from execution.backends import python_api as pb
 
 
 class Sink:
