@@ -157,7 +157,8 @@ class _StreamSink:
             self.end(model_error(error))
             return
         outputs = _outputs(response, self._output_names) if response is not None else {}
-        self._deliver(StreamEvent(outputs, final), ending=final)
+        parameters = _parameters(response) if response is not None else {}
+        self._deliver(StreamEvent(outputs, final, parameters=parameters), ending=final)
 
     def end(self, error: InferGateError) -> None:
         """End the request with ``error`` unless it has already ended."""
@@ -193,6 +194,17 @@ class _ResponseSlot:
     def send(self, response: api.InferenceResponse | None, final: bool) -> None:
         if response is not None:
             self.response = response
+
+
+def _parameters(response: api.InferenceResponse) -> dict[str, object]:
+    """The response's parameters (``InferenceResponse(parameters=...)``): str, int, float or bool values."""
+    try:
+        values = json.loads(response.parameters() or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(values, dict):
+        return {}
+    return {k: v for k, v in values.items() if isinstance(v, (str, int, float, bool))}
 
 
 def _outputs(response: api.InferenceResponse, wanted: Sequence[str]) -> dict[str, np.ndarray]:

@@ -123,8 +123,8 @@ def test_completion_with_max_tokens_stop_and_usage(cluster: Cluster) -> None:
     short = client.completions.create(model="reverse_lm", prompt="abcdef", max_tokens=3)
     assert short.choices[0].text == "fed" and short.choices[0].finish_reason == "length"
     assert short.usage.completion_tokens == 3 and short.usage.total_tokens == 3 + 7
-    stopped = client.completions.create(model="reverse_lm", prompt="hello world", stop=["o w", "xyz"])
-    assert stopped.choices[0].text == "dlr" and stopped.choices[0].finish_reason == "stop"
+    stopped = client.completions.create(model="reverse_lm", prompt="hello world", stop=["w o", "xyz"])
+    assert stopped.choices[0].text == "dlro" and stopped.choices[0].finish_reason == "stop"
 
 
 def test_streamed_chat_joins_to_the_whole_answer_with_usage_last(cluster: Cluster) -> None:
