@@ -75,6 +75,10 @@ def _response(request: InferRequest, pb: service_pb2.ModelInferResponse, final: 
                          outputs=outputs, parameters=_parameters(pb), final=final, arrived=arrived)
 
 
+def _models_parameters(pb: service_pb2.ModelInferResponse) -> bool:
+    return any(key != FINAL_RESPONSE for key in pb.parameters)
+
+
 def _parameters(pb: service_pb2.ModelInferResponse) -> dict[str, object]:
     """The model's response parameters (a generative model's ``finish_reason`` and token counts);
     the final flag is the response's ``final``, not a parameter."""
@@ -113,8 +117,10 @@ class StreamPath:
             async with aclosing(self._routing.stream(model, version, pb, request.deadline)) as responses:
                 async for response, arrived in responses:
                     final = is_final(response)
-                    if final and not response.outputs and not want_empty_final:
-                        continue  # the end marker the gateway asked for, not the client
+                    if final and not response.outputs and not want_empty_final and not _models_parameters(response):
+                        # The end marker the gateway asked for, not the client; a final response
+                        # with parameters of the model's (a generation's counts) is the client's.
+                        continue
                     out = _response(request, response, final, arrived)
                     self.streams.response(model, version, arrived - started, sent)
                     sent += 1
