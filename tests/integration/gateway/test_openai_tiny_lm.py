@@ -3,7 +3,8 @@
 HTTP port): a greedy completion is, byte for byte, what the same gateway
 streams over KServe gRPC for the same request; usage and ``finish_reason``
 come from the model's final response; seeded sampling repeats itself and a
-streamed chat joins to the whole one; every gateway process serves ``/v1``.
+streamed chat joins to the whole one; every gateway process serves ``/v1``;
+the bench's timed client (``loadtest.openai_stream``) measures streams.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import openai
 import pytest
 import requests
 
+from loadtest.openai_stream import OpenAIStreamClient, StreamTiming
 from tests.harness import Proc, start
 from tests.integration.gateway.stream_clients import WAIT_S, poll
 from tests.integration.workers.gen_client import GenStream
@@ -119,3 +121,24 @@ def test_every_gateway_process_serves_the_openai_api(up: tuple[Proc, Path]) -> N
     for vector in seen.values():
         np.testing.assert_allclose(vector, hidden[0].mean(axis=0), rtol=1e-5, atol=1e-5)
     assert sorted(m.id for m in _client(proc).models.list()) == ["encoder", "tiny_lm"]
+
+
+def test_the_benchs_timed_openai_client_measures_streams(up: tuple[Proc, Path]) -> None:
+    proc, _ = up
+
+    async def run() -> list[StreamTiming]:
+        timings: list[StreamTiming] = []
+        for chat in (False, True):
+            client = OpenAIStreamClient(f"http://127.0.0.1:{proc.ready['http_port']}/v1", "tiny_lm", chat=chat)
+            try:
+                timings += await asyncio.gather(*(client.generate(f"prompt {i}", 8, temperature=0)
+                                                  for i in range(4)))
+            finally:
+                await client.close()
+        return timings
+
+    timings = asyncio.run(run())
+    assert len(timings) == 8
+    assert all(t.error is None and 0 < t.output_tokens <= 8 for t in timings), timings
+    assert all(t.ttft_s is not None and 0 < t.ttft_s <= t.total_s for t in timings)
+    assert all(t.itl_s is None or t.itl_s >= 0 for t in timings)
