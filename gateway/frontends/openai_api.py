@@ -58,7 +58,7 @@ from gateway.frontends.openai_codec import (
     token_bytes,
     usage_chunk_json,
 )
-from gateway.frontends.openai_errors import error_body, status_of
+from gateway.frontends.openai_errors import body_of
 from gateway.frontends.openai_text import BadParameter, StopMatcher, TextJoiner
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.types import InferenceCore, InferRequest, Tensor
@@ -264,8 +264,7 @@ class OpenAIApi:
                 log.error("unexpected error streaming %s of model '%s'", rid, g.model, exc_info=error)
                 error = Internal.caused_by(f"streaming {request.path}", error, rid)
             log.debug("stream %s of model '%s' ended with: %s", rid, g.model, error)
-            await _write_last(stream, _sse(error_body(status_of(error), error.message,
-                                                      getattr(error, "param", None))))
+            await _write_last(stream, _sse(body_of(error)))
             return stream
         if stream is None:  # no choices at all cannot happen; keep the type checker honest
             stream = await _open_events(request)

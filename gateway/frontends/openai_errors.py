@@ -4,7 +4,9 @@ Every answer under ``/v1/`` that is an error carries
 ``{"error": {"message", "type", "param", "code"}}`` (the shape the
 ``openai`` client parses into its exception classes) with the status the
 error class carries, except an unknown model: 404 ``model_not_found``, as
-OpenAI answers (the v2 API answers 400 there, in Triton's way). The REST
+OpenAI answers (the v2 API answers 400 there, in Triton's way), and an
+overload (a full queue, a worker's generation capacity): 429, as OpenAI
+answers "slow down" (503 on the v2 API). The REST
 app's error middleware hands ``/v1/`` requests to :func:`guard`, so the
 handlers raise the project's errors like every other route; the access
 check answers its 401 through :func:`openai_error_response`.
@@ -21,7 +23,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import hdrs, web
 
-from protos.errors import InferGateError, Internal, ModelNotFound
+from protos.errors import InferGateError, Internal, ModelNotFound, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
-    429: ("rate_limit_error", "rate_limit_exceeded"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),  # an overload's code is "overloaded" (body_of)
     501: ("invalid_request_error", "unsupported"),
     503: ("server_error", "service_unavailable"),
     504: ("server_error", "timeout"),
@@ -58,12 +60,26 @@ def openai_error_response(status: int, message: str, *, param: str | None = None
 
 
 def status_of(exc: InferGateError) -> int:
-    return 404 if isinstance(exc, ModelNotFound) else exc.http_status
+    if isinstance(exc, ModelNotFound):
+        return 404
+    # A full queue or a worker's generation capacity: OpenAI's "slow down", which its clients retry.
+    return 429 if isinstance(exc, Overloaded) else exc.http_status
+
+
+def body_of(exc: InferGateError) -> dict[str, dict[str, str | None]]:
+    """The error body of ``exc``; an overload's code is ``overloaded``."""
+    body = error_body(status_of(exc), exc.message, getattr(exc, "param", None))
+    if isinstance(exc, Overloaded):
+        body["error"]["code"] = "overloaded"
+    return body
 
 
 def from_error(exc: InferGateError) -> web.Response:
-    return openai_error_response(status_of(exc), exc.message, param=getattr(exc, "param", None),
-                                 retry_after_s=getattr(exc, "retry_after_s", None))
+    response = web.Response(status=status_of(exc), body=orjson.dumps(body_of(exc)), content_type="application/json")
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:
+        response.headers[hdrs.RETRY_AFTER] = str(max(0, math.ceil(retry_after_s)))
+    return response
 
 
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -171,8 +171,9 @@ async def test_errors_before_the_stream_are_openai_error_answers(served: tuple) 
     core, base = served
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{base}/completions", json={"model": "lm", "prompt": "busy", "stream": True}) as r:
-            assert r.status == 503 and r.headers["Retry-After"] == "2"
-            assert (await r.json())["error"]["message"] == "model 'lm' is at capacity (4 sequences); retry later"
+            assert r.status == 429 and r.headers["Retry-After"] == "2"
+            assert await r.json() == {"error": {"message": "model 'lm' is at capacity (4 sequences); retry later",
+                                                "type": "rate_limit_error", "param": None, "code": "overloaded"}}
         async with session.post(f"{base}/completions", json={"model": "gpt", "prompt": "x"}) as r:
             assert r.status == 404
             assert await r.json() == {"error": {"message": "Request for unknown model: 'gpt' is not found",

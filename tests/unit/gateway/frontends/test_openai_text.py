@@ -9,7 +9,7 @@ import pytest
 
 from gateway.frontends.openai_errors import error_body, from_error, openai_error_response
 from gateway.frontends.openai_text import BadParameter, StopMatcher, TextJoiner, render_chat
-from protos.errors import InvalidArgument, ModelNotFound, Overloaded, QuotaExceeded, Unauthenticated
+from protos.errors import InvalidArgument, ModelNotFound, Overloaded, QuotaExceeded, Unauthenticated, Unavailable
 
 
 def test_chat_template_renders_each_message_and_opens_the_assistants_turn() -> None:
@@ -89,7 +89,8 @@ def test_error_bodies_name_type_param_and_code() -> None:
     (ModelNotFound("Request for unknown model: 'x' is not found"), 404, "model_not_found"),
     (BadParameter("'n' must be", "n"), 400, None),
     (QuotaExceeded("over", retry_after_s=2.5), 429, "rate_limit_exceeded"),
-    (Overloaded("full", retry_after_s=1.0), 503, "service_unavailable"),
+    (Overloaded("full", retry_after_s=1.0), 429, "overloaded"),
+    (Unavailable("no replica"), 503, "service_unavailable"),
     (Unauthenticated("missing or invalid API key"), 401, "invalid_api_key"),
 ])
 def test_project_errors_answer_with_openai_status_and_shape(error: Exception, status: int, code: str | None) -> None:
