@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API on the REST frontend: ``GET /v1/models``,
+"""The OpenAI-compatible API on the REST frontend: ``GET /v1/models[/{m}]``,
 ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings``.
 
 A completion runs each of its choices as one stream of the model
@@ -62,7 +62,7 @@ from gateway.frontends.openai_errors import body_of
 from gateway.frontends.openai_text import BadParameter, StopMatcher, TextJoiner
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.types import InferenceCore, InferRequest, Tensor
-from protos.errors import InferGateError, Internal
+from protos.errors import InferGateError, Internal, ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ Emit = Callable[[_Event], Awaitable[None]]
 def add_openai_routes(app: web.Application, core: InferenceCore, read_body: ReadBody) -> None:
     api = OpenAIApi(core, read_body)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.model)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_post("/v1/embeddings", api.embeddings)
@@ -146,12 +147,22 @@ class OpenAIApi:
     # --- models ------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(models_json(await self._names(request))),
+                            content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in await self._names(request):
+            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+        (doc,) = models_json([name])["data"]
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+    async def _names(self, request: web.Request) -> list[str]:
+        """The ready models the request's key may use, sorted."""
         access: ModelAccess | None = request.get(MODEL_ACCESS)
         index = await self._core.repository_index(True)
         names = sorted({m.name for m in index.models})
-        if access is not None:
-            names = [n for n in names if access.may_see(n)]
-        return web.Response(body=orjson.dumps(models_json(names)), content_type="application/json")
+        return names if access is None else [n for n in names if access.may_see(n)]
 
     # --- completions -------------------------------------------------------------------
 
@@ -255,9 +266,9 @@ class OpenAIApi:
                         await stream.write(_sse(chunk_json(g, rid, created, event.index, None, event.finish_reason)))
         except BaseExceptionGroup as group:
             error = _first_error(group)
-            if isinstance(error, ConnectionResetError):
+            if isinstance(error, ConnectionResetError) and stream is not None:
                 log.debug("client left the stream %s of model '%s'", rid, g.model)
-                return stream if stream is not None else web.Response(status=499)
+                return stream
             if stream is None:
                 raise error from None
             if not isinstance(error, InferGateError):

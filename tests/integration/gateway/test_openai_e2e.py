@@ -85,6 +85,9 @@ def _reversed(prompt: str) -> str:
 def test_models_need_a_key_and_list_what_the_key_may_use(cluster: Cluster) -> None:
     assert sorted(m.id for m in cluster.client().models.list()) == ["encoder", "reverse_lm"]
     assert [m.id for m in cluster.client(NARROW).models.list()] == ["encoder"]
+    assert cluster.client().models.retrieve("reverse_lm").id == "reverse_lm"
+    with pytest.raises(openai.NotFoundError):
+        cluster.client(NARROW).models.retrieve("reverse_lm")
     with pytest.raises(openai.AuthenticationError) as info:
         cluster.client("wrong-key-0123456789-abcdef").completions.create(model="reverse_lm", prompt="x")
     assert info.value.status_code == 401 and info.value.body["message"] == "missing or invalid API key"
