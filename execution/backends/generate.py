@@ -57,7 +57,6 @@ DEFAULT_MODEL_FILENAME = "model.onnx"
 DEFAULT_MAX_SEQUENCES = 32
 DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
 _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-Cache = list[np.ndarray]  # per layer: key then value, each [H, positions, Dh]
 
 
 class OnnxDecoderStep:
@@ -82,7 +81,8 @@ class OnnxDecoderStep:
         ids = np.full((batch, new), self._pad_id, dtype=np.int64)
         positions = np.zeros((batch, new), dtype=np.int64)
         mask = np.zeros((batch, past + new), dtype=np.int64)
-        caches = [np.zeros((batch, self.heads, past, self.head_dim), dtype=np.float32) for _ in range(2 * self.layers)]
+        # Key then value of each layer, stacked: one copy per row fills every layer's padded past.
+        pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=np.float32)
         for b, row in enumerate(rows):
             n = len(row.tokens)
             ids[b, :n] = row.tokens
@@ -90,11 +90,10 @@ class OnnxDecoderStep:
             mask[b, :row.position] = 1
             mask[b, past:past + n] = 1
             if row.cache is not None:
-                for array, held in zip(caches, row.cache):  # type: ignore[call-overload]
-                    array[b, :, :row.position] = held
+                pasts[:, b, :, :row.position] = row.cache[:, :, :row.position]  # type: ignore[index]
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         for layer in range(self.layers):
-            feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = caches[2 * layer], caches[2 * layer + 1]
+            feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = pasts[2 * layer], pasts[2 * layer + 1]
         try:
             logits, *presents = self._session.run(self._outputs, feeds)
         except Exception as exc:  # ONNX Runtime's status exceptions
@@ -102,8 +101,12 @@ class OnnxDecoderStep:
         results: list[tuple[np.ndarray, object]] = []
         for b, row in enumerate(rows):
             n = len(row.tokens)
-            grown = [np.concatenate([p[b, :, :row.position], p[b, :, past:past + n]], axis=1) for p in presents]
-            results.append((logits[b, n - 1], grown))
+            # A sequence's cache: one buffer for its whole reservation, filled in place step by step.
+            cache = row.cache if row.cache is not None else np.empty(
+                (2 * self.layers, self.heads, max(row.capacity, row.position + n), self.head_dim), dtype=np.float32)
+            for i, present in enumerate(presents):
+                cache[i, :, row.position:row.position + n] = present[b, :, past:past + n]  # type: ignore[index]
+            results.append((logits[b, n - 1], cache))
         return results
 
 
