@@ -63,6 +63,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[bytes, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, capacity tests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +250,9 @@ class Scheduler:
     def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:
         """Choose the sequence's next token, send what may be sent, and end it when it is done."""
         if self._banned:
-            logits = logits.copy()
-            logits[self._banned] = -np.inf
+            logits[self._banned] = -np.inf  # the step's output, the scheduler's to change
+        if sequence.params.ignore_eos:
+            logits[self._eos_id] = -np.inf
         token = choose_token(logits, sequence.params, sequence.rng)
         sequence.completion += 1
         sequence.last_token = token
