@@ -104,8 +104,8 @@ def main() -> int:
         worker = start_worker(root, *args.worker_args.split())
         try:
             url = worker_url(worker)
-            for model in ("tiny_lm", "tiny_lm_serial"):  # warm both sessions
-                asyncio.run(_round(url, model, 2, 4, f"warm-{model}"))
+            for model in ("tiny_lm", "tiny_lm_serial"):  # warm both sessions at the batch shapes measured
+                asyncio.run(_round(url, model, args.sequences, args.max_tokens, f"warm-{model}"))
             results: dict[str, list[dict[str, float]]] = {"tiny_lm": [], "tiny_lm_serial": []}
             for n in range(args.rounds):
                 for model in results:
