@@ -32,6 +32,7 @@ from gateway.caching.response_cache import ResponseCache
 from gateway.core import Gateway, GatewayParts, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
 from gateway.core.models import ModelCatalog
 from gateway.core.pipeline import RequestPipeline
+from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.manager import Fleet, PlacementFactory
@@ -55,6 +56,7 @@ from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
+from gateway.routing.streams import StreamRouting
 from gateway.security.setup import worker_client_factory, worker_token
 from gateway.settings import GatewayConfig
 from gateway.types import InferRequest, InferResponse
@@ -145,7 +147,8 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         control=seams.control,
     )
     models = ModelCatalog(parts)
-    gateway = Gateway(parts, models, RequestPipeline(parts, models))
+    streaming = StreamPath(parts, StreamRouting(parts.router), parts.streams)
+    gateway = Gateway(parts, models, RequestPipeline(parts, models, streaming))
     return gateway
 
 
