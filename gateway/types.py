@@ -9,9 +9,13 @@ appears where math is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from tritonclient.grpc import model_config_pb2, service_pb2
+
+from protos.errors import Unsupported
 
 
 @dataclass(slots=True)
@@ -73,6 +77,26 @@ class InferResponse:
     id: str
     outputs: list[Tensor]
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The last response of its request: always for an ordinary model; for a
+    # decoupled model's stream, the worker's ``triton_final_response``.
+    final: bool = True
+    # When the worker's response reached the gateway (time.monotonic()), 0 when
+    # not streamed: the frontend reports the gap to its write (``stream_written``).
+    arrived: float = 0.0
+
+
+# How Triton names the endpoint that refuses a decoupled model: the gRPC
+# frontend sets "ModelInfer RPC" in its call's context; HTTP's /infer is the default.
+single_response_endpoint: ContextVar[str] = ContextVar("single_response_endpoint", default="HTTP end point")
+
+
+class DecoupledRefused(Unsupported):
+    """Triton's refusal of a single-response call (``InferenceCore.infer``) to a decoupled model
+    (UNIMPLEMENTED / 501): such a model answers through ``InferenceCore.stream`` only."""
+
+    def __init__(self, endpoint: str | None = None) -> None:
+        endpoint = endpoint or single_response_endpoint.get()
+        super().__init__(f"{endpoint} doesn't support models with decoupled transaction policy")
 
 
 class InferenceCore(Protocol):
@@ -83,6 +107,12 @@ class InferenceCore(Protocol):
     """
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """The request's responses as they come (one, final, for an ordinary model); close it when done."""
+
+    def stream_written(self, response: InferResponse) -> None:
+        """A frontend wrote a streamed ``response`` to its client (the forwarding gap is measured)."""
 
     def server_live(self) -> bool: ...
 

@@ -12,7 +12,9 @@ serve together, statistics and repository control go through the seams in
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2, service_pb2
@@ -59,6 +61,7 @@ class Gateway:
         self.cache = parts.cache
         self.ensembles = parts.ensembles
         self.tracing = parts.tracing
+        self.streams = parts.streams  # decoupled models' streams, for /metrics
         self._batchers = parts.batchers
         self.models = models
         self.pipeline = pipeline
@@ -91,7 +94,11 @@ class Gateway:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self._shutting_down = True
         self.pipeline.accepting = False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace
         await self._batchers.close_all(grace)
+        # Open streams end (within the grace) before the workers' channels close under them.
+        await self.pipeline.streaming.wait_closed(until - loop.time())
         await self.fleet.stop()
         await self.parallel.stop()
         self.sequences.close()
@@ -105,6 +112,17 @@ class Gateway:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await self.pipeline.infer(request)
+
+    def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """The request's responses as its worker sends them (``gateway.core.streaming``); the last is
+        ``final``. An ordinary model's request yields its one response. The worker's empty final
+        response is dropped unless ``request.parameters`` holds ``triton_enable_empty_final_response``
+        true. Close the iterator when done (``contextlib.aclosing``): that cancels the worker's call."""
+        return self.pipeline.stream(request)
+
+    def stream_written(self, response: InferResponse) -> None:
+        """A frontend wrote a streamed response to its client (the forwarding gap is measured)."""
+        self.pipeline.streaming.forwarded(response)
 
     async def run_request(self, request: InferRequest) -> InferResponse:
         """An admitted request (an ensemble's steps are): the request path after admission."""

@@ -18,7 +18,7 @@ every process) arrive through the parts themselves (``fleet``, ``tracing``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tritonclient.grpc import service_pb2
@@ -31,6 +31,7 @@ from gateway.fleet.manager import Fleet
 from gateway.limits import Admission
 from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats
+from gateway.observability.streams import StreamStats
 from gateway.observability.tracing import RequestTracing
 from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
@@ -99,4 +100,5 @@ class GatewayParts:
     tracing: RequestTracing  # Triton's trace extension: the settings served, the traces taken
     statistics: StatisticsScope
     control: ModelControl
+    streams: StreamStats = field(default_factory=StreamStats)  # decoupled models' streams, for /metrics
 

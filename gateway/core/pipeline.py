@@ -30,12 +30,18 @@ step, each step a named method here, the module doing the work in brackets:
    (``requests.classification``), in ``_classify``; the statistics and the
    latency are recorded (``observability``), and the frontend encodes the answer
    (shared-memory outputs written by ``requests.shared_memory``).
+
+A decoupled model's request takes ``stream`` instead: admitted, resolved and
+validated here, then run by ``gateway.core.streaming`` (no cache, no batch,
+one replica, each response forwarded as it comes); ``infer`` refuses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
@@ -46,12 +52,13 @@ from gateway.batching.batcher import Batcher
 from gateway.caching.response_cache import Lookup, cache_enabled
 from gateway.core.models import ModelCatalog
 from gateway.core.parts import GatewayParts
+from gateway.core.streaming import StreamPath, is_decoupled
 from gateway.ensembles.plan import is_ensemble
 from gateway.ensembles.runner import StepRun
 from gateway.requests.classification import apply_classification
 from gateway.requests.validation import validate_request
 from gateway.routing.sequences import is_stateful
-from gateway.types import InferRequest, InferResponse
+from gateway.types import DecoupledRefused, InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, Unavailable
 
 
@@ -62,16 +69,37 @@ def _ns(seconds: float) -> int:
 class RequestPipeline:
     """The request path over the gateway's parts; ``accepting`` is false before start and from shutdown on."""
 
-    def __init__(self, parts: GatewayParts, models: ModelCatalog) -> None:
+    def __init__(self, parts: GatewayParts, models: ModelCatalog, streaming: StreamPath) -> None:
         self._parts = parts
         self._models = models
         self._default_timeout_s = parts.config.default_timeout_s
         self.accepting = False
+        self.streaming = streaming  # decoupled models' path (``core.streaming``), built by the composition root
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Step 2, admit: the gateway-wide bounds come first; beyond them a request is refused at once."""
         with self._parts.admission.admit(request):
             return await self.run_request(request)
+
+    async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Steps 2 to 4, then the streaming path (``gateway.core.streaming``); an ordinary model's
+        request takes the request path and yields its one response, final. Close it when done."""
+        with self._parts.admission.admit(request):
+            now = asyncio.get_running_loop().time()
+            started = request.arrival = time.monotonic()
+            if not self.accepting:
+                raise Unavailable("the gateway is shutting down")
+            info, version = await self._models.resolve(request.model, request.version, request.timeout_us)
+            if not is_decoupled(info.config):
+                response = await self.run_request(request)
+                response.final = True
+                yield response
+                return
+            rows = self._validate(request, info, version, now)
+            self._parts.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
+            async with aclosing(self.streaming.run(request, version, started)) as responses:
+                async for response in responses:
+                    yield response
 
     async def run_request(self, request: InferRequest) -> InferResponse:
         """An admitted request, from resolving its model to its answer (an ensemble's steps enter here too)."""
@@ -83,6 +111,8 @@ class RequestPipeline:
         if not self.accepting:
             raise Unavailable("the gateway is shutting down")
         info, version = await self._models.resolve(request.model, request.version, request.timeout_us)
+        if is_decoupled(info.config):
+            raise DecoupledRefused()  # Triton's words: a decoupled model answers through a stream only
         rows = self._validate(request, info, version, now)
         ensemble = is_ensemble(info.config)
         if not ensemble:  # an ensemble is placed through its steps

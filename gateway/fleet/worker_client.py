@@ -293,6 +293,15 @@ class WorkerClient:
         answer.infer_response.id = request.id
         return answer
 
+    def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
+        """A ``ModelStreamInfer`` call of its own on the data channel, for one streamed
+        request (``gateway.fleet.stream_call``); cancelling it reaches the model."""
+        return self._service(_DATA).ModelStreamInfer(timeout=timeout_s, metadata=self._call_metadata)
+
+    def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
+        """A data-channel call's gRPC failure as the ``protos.errors`` class it means."""
+        return self._map_error(e, _DATA)
+
     # ---- collective groups (infergate workers only) ---------------------------
 
     def _collective_stub(self) -> CollectiveStub:

@@ -1,8 +1,8 @@
 """The gateway's gRPC frontend: KServe v2 ``inference.GRPCInferenceService``
 plus the standard gRPC health service, in front of an ``InferenceCore``.
 
-Owns the client deadline and cancellation hand-off to the core and the
-bidirectional inference stream. The wire <-> ``InferRequest``/``InferResponse``
+Owns the client deadline and cancellation hand-off to the core; the
+bidirectional inference stream is ``gateway.frontends.grpc_streams``. The wire <-> ``InferRequest``/``InferResponse``
 conversion is ``gateway.frontends.grpc_wire``; the one place where errors
 become gRPC statuses ``gateway.frontends.grpc_errors``; the health service
 ``gateway.frontends.grpc_health``.
@@ -13,42 +13,25 @@ stop) belongs to the application, which calls :func:`add_grpc_services`.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from gateway.frontends.grpc_errors import abort, as_error, stream_error, unary_edge
+from gateway.frontends.grpc_errors import unary_edge
 from gateway.frontends.grpc_health import HealthServicer
-from gateway.frontends.grpc_wire import (
-    EMPTY_FINAL,
-    FINAL_RESPONSE,
-    decode_infer_request,
-    encode_infer_response,
-    param_value,
-)
+from gateway.frontends.grpc_streams import StreamSession, apply_client_deadline
+from gateway.frontends.grpc_wire import decode_infer_request, encode_infer_response
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry, advertise
-from gateway.types import InferenceCore, InferRequest
+from gateway.types import InferenceCore, single_response_endpoint
 from protos import wire
-from protos.errors import Cancelled
 
 SERVICE_NAME = "inference.GRPCInferenceService"
-
-
-def _apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
-    """Tighten the request's deadline to the client's gRPC deadline, on the loop clock."""
-    remaining = context.time_remaining()
-    if remaining is None:
-        return
-    if request.timeout_us and request.timeout_us / 1e6 <= remaining:
-        return  # the request's own timeout is tighter; the core applies it
-    request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)
 
 
 def _setting_value(value: Any) -> Any:
@@ -130,94 +113,22 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             req = decode_infer_request(request.header, raw=request.raw, shm=self._shm)
         else:
             req = decode_infer_request(request, shm=self._shm)
-        _apply_client_deadline(req, context)
+        apply_client_deadline(req, context)
+        single_response_endpoint.set("ModelInfer RPC")  # Triton's words for a decoupled model here
         # Awaited in the RPC's own task: a client cancel or an expired deadline
         # cancels this task, and with it everything the core awaits for us.
         with self._tracing.request(req, context.invocation_metadata, "GRPC"):  # a no-op unless traced
             return encode_infer_response(await self._core.infer(req), req, raw_aside=True)
 
-    async def _stream_one(
-        self, pb: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> service_pb2.ModelStreamInferResponse:
-        """One stream request's response; failures become an in-stream error_message."""
-        try:
-            req = decode_infer_request(pb, allowed_reserved=frozenset({EMPTY_FINAL}), shm=self._shm)
-            _apply_client_deadline(req, context)
-            with self._tracing.request(req, context.invocation_metadata, "GRPC"):
-                out = encode_infer_response(await self._core.infer(req), req)
-            if EMPTY_FINAL in pb.parameters and param_value(pb.parameters[EMPTY_FINAL]) is True:
-                out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
-            return service_pb2.ModelStreamInferResponse(infer_response=out)
-        except Exception as exc:  # the in-stream error edge: the stream goes on
-            return stream_error(pb, as_error(exc, pb.id))
-
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        """Requests of one stream run concurrently; each response goes out as it completes.
-
-        Invariants: a reader task spawns one task per request after taking a
-        slot; every request task puts exactly one response on ``done``; this
-        generator writes them and frees the slot after each write, so at most
-        ``max_stream_inflight`` requests are running or waiting to be written
-        (a client that stops reading stops being read). The stream ends once
-        the client has half-closed and every spawned request is written.
-        """
-        loop = asyncio.get_running_loop()
-        done: asyncio.Queue[Any] = asyncio.Queue()
-        slots = asyncio.Semaphore(self._max_stream_inflight)
-        tasks: set[asyncio.Task[None]] = set()
-        end = object()
-        spawned = 0
-
-        async def answer(pb: service_pb2.ModelInferRequest) -> None:
-            done.put_nowait(await self._stream_one(pb, context))
-
-        def answered(task: asyncio.Task[None], pb: service_pb2.ModelInferRequest) -> None:
-            tasks.discard(task)
-            # _stream_one turns every Exception into a response; only a cancel
-            # coming from below (not from this stream's teardown, after which
-            # nobody reads ``done``) ends a task without one. Stand in for it.
-            if task.cancelled():
-                done.put_nowait(stream_error(pb, Cancelled("the request was cancelled")))
-
-        async def read_all() -> None:
-            nonlocal spawned
-            try:
-                async for pb in request_iterator:
-                    await slots.acquire()
-                    task = loop.create_task(answer(pb))
-                    tasks.add(task)
-                    task.add_done_callback(functools.partial(answered, pb=pb))
-                    spawned += 1
-                done.put_nowait(end)
-            except Exception as exc:  # surfaced to the writer, which ends the stream with it
-                done.put_nowait(exc)
-
-        reader = loop.create_task(read_all())
-        written = 0
-        ended = False
-        try:
-            while not ended or written < spawned:
-                item = await done.get()
-                if item is end:
-                    ended = True
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                written += 1
-                slots.release()
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # the error-mapping edge for the stream as a whole
-            await abort(context, exc)
-        finally:
-            # Cancel what is left (client gone, stream aborted) and wait for it, so no task outlives its stream.
-            pending = [reader, *tasks]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        """Requests of one stream run concurrently; each response goes out as it comes (``grpc_streams``)."""
+        session = StreamSession(self._core, context, max_inflight=self._max_stream_inflight, shm=self._shm,
+                                tracing=self._tracing)
+        async with aclosing(session.run(request_iterator)) as responses:
+            async for response in responses:
+                yield response
 
     # -- shared memory (gateway.requests.shared_memory; the registry is the HTTP frontend's too)
 

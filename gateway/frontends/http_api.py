@@ -11,7 +11,8 @@ an ``InferenceCore``. The JSON bodies of the management endpoints
 Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``/v2/models/{m}[/versions/{v}]`` with ``/ready``, ``/config``, ``/stats``,
 ``/infer`` (JSON, binary tensor data, or a raw binary body with
-``Inference-Header-Content-Length: 0``), and ``/v2/repository/index``,
+``Inference-Header-Content-Length: 0``), Triton's generate extension
+``/generate`` and ``/generate_stream`` (``gateway.frontends.http_generate``), and ``/v2/repository/index``,
 ``/v2/repository/models/{m}/load|unload``, and the shared-memory and logging extensions
 endpoints (``gateway.frontends.http_extensions``). The statistics endpoints take
 ``?workers=true`` to add a ``workers`` section: each worker's own statistics
@@ -40,6 +41,7 @@ from gateway.frontends.http_codec import EncodedInfer, decode_infer_request, enc
 from gateway.frontends.http_compression import choose_encoding, inflate_bounded
 from gateway.frontends.http_errors import error_response
 from gateway.frontends.http_extensions import add_extension_routes
+from gateway.frontends.http_generate import GenerateApi
 from gateway.frontends.http_json import (
     bool_field,
     index_ready,
@@ -97,6 +99,7 @@ def create_http_app(
     shm = shm if shm is not None else SharedMemoryRegistry()
     tracing = tracing if tracing is not None else RequestTracing.off()
     api = _HttpApi(core, max_request_bytes, shm, tracing)
+    generate = GenerateApi(core, api._read_body, tracing, _request_id.set)
     app = web.Application(
         middlewares=[error_middleware],
         client_max_size=max_request_bytes,
@@ -126,6 +129,8 @@ def create_http_app(
         add.add_get(base + "/config", api.model_config)
         add.add_get(base + "/stats", api.statistics)
         add.add_post(base + "/infer", api.infer)
+        add.add_post(base + "/generate", generate.generate)
+        add.add_post(base + "/generate_stream", generate.generate_stream)
     add_extension_routes(app, shm, logs if logs is not None else LogSettings(), tracing.settings)
     return app
 

@@ -24,6 +24,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway.observability.latency import LATENCY_BUCKETS_S
+from gateway.observability.streams import FORWARD_BUCKETS_S, RESPONSE_COUNT_BUCKETS
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class GatewayCollector(Collector):
         yield from self._cluster()
         yield from self._parallel()
         yield from self._cache()
+        yield from self._streams()
 
     def _models(self) -> Iterator[Metric]:
         labels = list(MODEL_LABELS)
@@ -234,6 +237,33 @@ class GatewayCollector(Collector):
         yield GaugeMetricFamily("infergate_cache_entries", "Responses the response cache holds", value=len(cache))
         yield CounterMetricFamily("infergate_cache_evictions", "Responses evicted to stay within cache.size_bytes",
                                   value=cache.evictions)
+
+    def _streams(self) -> Iterator[Metric]:
+        """Decoupled models' streams (``gateway.observability.streams``)."""
+        streams = getattr(self._gw, "streams", None)
+        if streams is None:
+            return
+        labels = ["model", "version"]
+        opened = CounterMetricFamily("infergate_streams", "Streamed requests of decoupled models", labels=labels)
+        open_now = GaugeMetricFamily("infergate_streams_open", "Streamed requests not ended yet", labels=labels)
+        responses = CounterMetricFamily("infergate_stream_responses", "Responses of streamed requests forwarded to clients",
+                                        labels=labels)
+        per_stream = HistogramMetricFamily("infergate_stream_responses_per_request",
+                                           "Responses forwarded per ended streamed request", labels=labels)
+        first = HistogramMetricFamily("infergate_stream_first_response_seconds",
+                                      "Time from a streamed request's arrival to its first response", labels=labels)
+        for (model, version), m in streams.items():
+            key = [model, version]
+            opened.add_metric(key, m.opened)
+            open_now.add_metric(key, m.open)
+            responses.add_metric(key, m.responses)
+            per_stream.add_metric(key, _cumulative(RESPONSE_COUNT_BUCKETS, m.per_stream.counts), m.per_stream.sum)
+            first.add_metric(key, _cumulative(LATENCY_BUCKETS_S, m.first_response.counts), m.first_response.sum)
+        forward = HistogramMetricFamily(
+            "infergate_stream_forward_seconds",
+            "Time from a worker's streamed response reaching the gateway to the gateway writing it to its client")
+        forward.add_metric([], _cumulative(FORWARD_BUCKETS_S, streams.forward.counts), streams.forward.sum)
+        yield from (opened, open_now, responses, per_stream, first, forward)
 
 
 def add_metrics_routes(app: web.Application, gateway: ObservedGateway) -> None:

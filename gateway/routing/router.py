@@ -37,7 +37,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from tritonclient.grpc import service_pb2
@@ -184,9 +185,22 @@ class Router:
         finally:
             slot_taken()
 
-    async def acquire(self, model: str, version: str, deadline: float | None) -> WorkerState:
-        """A replica for a new stateful sequence: the least loaded one with a free slot (waits within the deadline)."""
-        return await self._acquire(model, version, deadline, set())
+    async def acquire(self, model: str, version: str, deadline: float | None,
+                      avoid: set[WorkerState] | None = None) -> WorkerState:
+        """A replica for a new stateful sequence or stream: the chooser's pick among those with a
+        free slot (waits within the deadline); one outside ``avoid`` while any is healthy."""
+        return await self._acquire(model, version, deadline, set(avoid) if avoid else set())
+
+    @contextmanager
+    def holding(self, worker: WorkerState) -> Iterator[None]:
+        """A call that is no batch (a stream) counts as in flight on ``worker`` while it lasts."""
+        worker.inflight += 1
+        worker.sent += 1
+        try:
+            yield
+        finally:
+            worker.inflight -= 1
+            self._slot_freed(worker)
 
     async def send_to(
         self, worker: WorkerState, model: str, version: str, request: service_pb2.ModelInferRequest,
@@ -248,6 +262,10 @@ class Router:
 
     def _remaining(self, deadline: float | None) -> float | None:
         return None if deadline is None else deadline - self._clock.now()
+
+    def remaining(self, deadline: float | None) -> float | None:
+        """Seconds left until ``deadline`` on the router's clock (None: no deadline)."""
+        return self._remaining(deadline)
 
     async def _acquire(
         self, model: str, version: str, deadline: float | None, tried: set[WorkerState]

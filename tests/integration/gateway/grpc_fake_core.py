@@ -68,6 +68,12 @@ class FakeCore:
             raise ModelNotFound(f"unknown model '{request.model}'")
         return InferResponse(request.model, "1", request.id, outs, {"_internal": 1})
 
+    async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        yield await self.infer(request)  # ordinary models only: one response
+
+    def stream_written(self, response: InferResponse) -> None:
+        pass
+
     def server_live(self) -> bool:
         return True
 

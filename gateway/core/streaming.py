@@ -1,0 +1,143 @@
+"""The streaming path: one request to a decoupled model, its responses forwarded as they come.
+
+``Gateway.stream`` hands each request to ``RequestPipeline.stream``, which
+admits, resolves and validates it as the request path does
+(``gateway.core.pipeline``), then, for a decoupled model (its config's
+``model_transaction_policy { decoupled: true }``, as the workers report it),
+runs it here: no batching (a stream is one request's), no response cache,
+one replica picked by the router's replica choice and one ``ModelStreamInfer``
+call to it (``gateway.routing.streams``, ``gateway.fleet.stream_call``). Each
+worker response becomes an ``InferResponse`` and is yielded at once; the
+last one carries ``final``. The worker always marks the end with an empty
+final response; it is dropped here unless the client asked for it
+(``triton_enable_empty_final_response`` in the request's parameters, as
+the frontends pass it on).
+
+A single-response call (``Gateway.infer``: gRPC ``ModelInfer``, HTTP
+``/infer``) to a decoupled model is refused in Triton's words and code
+(``gateway.types.DecoupledRefused``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from gateway.batching.assembly import build_batch_request
+from gateway.core.parts import GatewayParts
+from gateway.fleet.stream_call import EMPTY_FINAL, is_final
+from gateway.observability.streams import StreamStats
+from gateway.routing.streams import StreamRouting
+from gateway.types import InferRequest, InferResponse, Tensor
+from protos.errors import InferGateError, Internal
+
+log = logging.getLogger(__name__)
+
+def is_decoupled(config: model_config_pb2.ModelConfig) -> bool:
+    """Whether the model answers a request with a stream of responses (Triton's decoupled transaction policy)."""
+    return config.HasField("model_transaction_policy") and config.model_transaction_policy.decoupled
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def worker_request(request: InferRequest, version: str) -> service_pb2.ModelInferRequest:
+    """The one message a worker gets for a streamed request: its inputs, outputs and own parameters."""
+    pb = build_batch_request(request.model, version, [request], [request.rows], False, raw_aside=False)
+    for key, value in request.parameters.items():
+        if key.startswith(("triton_", "_")):
+            continue  # reserved: the stream call sets the one it needs
+        param = pb.parameters[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        else:
+            param.string_param = str(value)
+    return pb
+
+
+def _response(request: InferRequest, pb: service_pb2.ModelInferResponse, final: bool,
+              arrived: float) -> InferResponse:
+    if len(pb.raw_output_contents) != len(pb.outputs):
+        raise Internal(f"worker answered model '{pb.model_name}' with {len(pb.outputs)} outputs "
+                       f"but {len(pb.raw_output_contents)} raw contents")
+    outputs = [Tensor(o.name, o.datatype, tuple(o.shape), raw) for o, raw in zip(pb.outputs, pb.raw_output_contents)]
+    return InferResponse(model=request.model, version=pb.model_version or request.version, id=request.id,
+                         outputs=outputs, final=final, arrived=arrived)
+
+
+class StreamPath:
+    """Runs validated requests of decoupled models: routing, statistics, stream metrics."""
+
+    def __init__(self, parts: GatewayParts, routing: StreamRouting, streams: StreamStats) -> None:
+        self._parts = parts
+        self._routing = routing
+        self.streams = streams
+        # Open streams, for shutdown: it waits (within its grace) until none is.
+        self._open = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def run(self, request: InferRequest, version: str, started: float) -> AsyncIterator[InferResponse]:
+        """The responses of a validated, admitted request, as its worker sends them."""
+        parts, model = self._parts, request.model
+        want_empty_final = request.parameters.get(EMPTY_FINAL) is True
+        pb = worker_request(request, version)
+        request.dispatched = started
+        sent = 0
+        outcome: str | None = "Cancelled"  # until the stream ends one way or the other
+        self.streams.opened(model, version)
+        self._open += 1
+        self._idle.clear()
+        try:
+            async with aclosing(self._routing.stream(model, version, pb, request.deadline)) as responses:
+                async for response, arrived in responses:
+                    final = is_final(response)
+                    if final and not response.outputs and not want_empty_final:
+                        continue  # the end marker the gateway asked for, not the client
+                    out = _response(request, response, final, arrived)
+                    self.streams.response(model, version, arrived - started, sent)
+                    sent += 1
+                    if final:
+                        outcome = None  # answered in full, whether or not the caller asks for more
+                    yield out
+            outcome = None
+        except InferGateError as e:
+            outcome = type(e).__name__
+            raise
+        finally:
+            self._open -= 1
+            if not self._open:
+                self._idle.set()
+            self.streams.closed(model, version, sent)
+            total_s = time.monotonic() - started
+            if outcome is None:
+                parts.stats.record_execution(model, version, request.rows, _ns(total_s))
+                parts.stats.record_success(model, version, request.rows, _ns(total_s), 0)
+                parts.latency.observe(model, version, total_s)
+            else:
+                parts.stats.record_failure(model, version, _ns(total_s), outcome)
+                log.debug("stream of request '%s' ended after %d response(s): %s", request.id, sent, outcome)
+
+    async def wait_closed(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every open stream to end; how many are still open."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            log.warning("%d stream(s) still open after %.1f s", self._open, timeout_s)
+        return self._open
+
+    def forwarded(self, response: InferResponse) -> None:
+        """A frontend wrote ``response`` to its client: the gap since its worker's response arrived."""
+        if response.arrived:
+            self.streams.forwarded(time.monotonic() - response.arrived)
+

@@ -1,0 +1,96 @@
+"""One streamed request on one worker: a ``ModelStreamInfer`` call of its own.
+
+A decoupled model answers one request with any number of responses. The
+gateway opens one call per streamed request (never the shared multiplexed
+stream of ``gateway.fleet.worker_stream``), sends the one request with
+``triton_enable_empty_final_response`` set, so that the end is always marked
+(a response with ``triton_final_response`` true, with or without outputs),
+reads until that final response and ends the call. Cancelling the call (the
+client went away, the deadline passed) cancels the request on the worker.
+
+Errors: a gRPC failure of the call becomes the ``protos.errors`` class the
+worker client maps it to (``WorkerUnreachable`` for a lost worker); an
+in-stream ``error_message`` ends the request with :class:`ModelStreamError`,
+the worker's own words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from protos.errors import InferGateError, Internal, Unavailable
+
+EMPTY_FINAL = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
+# How long a call whose final response came may take to close before it is cancelled.
+CLOSE_WAIT_S = 1.0
+
+
+class ModelStreamError(Internal):
+    """The worker ended a streamed request with an in-stream error: its words, no status code."""
+
+
+class StreamingClient(Protocol):
+    """What a streamed call needs of a worker client (``gateway.fleet.worker_client.WorkerClient``)."""
+
+    address: str
+
+    def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall: ...
+
+    def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError: ...
+
+
+def is_final(response: service_pb2.ModelInferResponse) -> bool:
+    param = response.parameters.get(FINAL_RESPONSE)
+    return param is not None and param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+
+
+async def stream_responses(
+    client: StreamingClient, request: service_pb2.ModelInferRequest, timeout_s: float | None,
+) -> AsyncIterator[tuple[service_pb2.ModelInferResponse, float]]:
+    """Each response of ``request`` with its arrival time (``time.monotonic``), in the worker's order.
+
+    The last one yielded is final. The caller must close the generator
+    (``contextlib.aclosing``): closing it early cancels the worker's call.
+    """
+    request.parameters[EMPTY_FINAL].bool_param = True
+    call = client.stream_call(timeout_s)
+    ended = False
+    try:
+        try:
+            await call.write(request)
+            await call.done_writing()
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    raise Unavailable(
+                        f"worker {client.address} ended the stream of request '{request.id}' without a final response")
+                arrived = time.monotonic()
+                if message.error_message:
+                    raise ModelStreamError(message.error_message)
+                response = message.infer_response
+                ended = is_final(response)
+                yield response, arrived
+                if ended:
+                    return
+        except grpc.aio.AioRpcError as e:
+            raise client.map_error(e) from None
+        except grpc.aio.UsageError as e:  # the channel was closed under the call
+            raise Unavailable(f"worker {client.address}: {e}") from None
+    finally:
+        # Answered in full: the worker closes the call itself (its status follows the final
+        # response at once); a server's handler cancelled after its last response may hold the
+        # request's state (Triton then cannot unload the model). Abandoned: the call is
+        # cancelled, and with it the request on the worker.
+        if ended:
+            try:
+                await asyncio.wait_for(call.code(), CLOSE_WAIT_S)
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                pass
+        call.cancel()
