@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-$(MODELS_STAMP): $(STAMP) models/build.py models/graphs.py models/graph_builder.py models/sequences.py
+$(MODELS_STAMP): $(STAMP) $(wildcard models/*.py)
 	$(VENV)/bin/infergate models build models
 	@touch $(MODELS_STAMP)
 
@@ -53,4 +53,4 @@ bench: install
 	$(PY) -m loadtest.suite --out bench --large-repository $(LARGE_MODELS)
 
 clean:
-	rm -rf $(VENV) $(MODELS_STAMP) models/*/1/model.onnx .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MODELS_STAMP) models/*/1/model.onnx models/*/1/model.py .pytest_cache .hypothesis

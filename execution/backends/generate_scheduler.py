@@ -63,6 +63,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[bytes, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, capacity tests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class StepRow:
     tokens: Sequence[int]
     position: int
     cache: object | None
+    capacity: int = 0  # positions the sequence may reach (prompt + max_tokens): what its cache may hold
 
 
 class StepFunction(Protocol):
@@ -109,6 +111,7 @@ class GenSequence:
     cancelled: threading.Event
     token_bytes: Callable[[int], bytes]
     reserved_bytes: int
+    capacity: int  # positions: prompt + max_tokens, within the context
     rng: np.random.Generator = field(init=False)
     cache: object | None = None
     length: int = 0  # positions in the cache
@@ -181,13 +184,14 @@ class Scheduler:
         if len(prompt) >= limits.max_positions:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens exceeds the context of model '{self.model}' "
                                   f"({limits.max_positions} tokens)")
-        reserved = min(len(prompt) + params.max_tokens, limits.max_positions) * limits.cache_bytes_per_token
+        capacity = min(len(prompt) + params.max_tokens, limits.max_positions)
+        reserved = capacity * limits.cache_bytes_per_token
         if reserved > limits.max_cache_bytes:
             raise InvalidArgument(f"prompt and max_tokens need more cache than model '{self.model}' has")
         admitted = len(self._waiting) + len(self._running)
         if admitted >= limits.max_sequences or self._reserved + reserved > limits.max_cache_bytes:
             raise Overloaded(f"model '{self.model}' is at capacity ({admitted} sequences); retry later")
-        sequence = GenSequence(prompt, params, emit, cancelled, token_bytes, reserved)
+        sequence = GenSequence(prompt, params, emit, cancelled, token_bytes, reserved, capacity)
         self._reserved += reserved
         self._waiting.append(sequence)
         if self._task is None:
@@ -216,12 +220,12 @@ class Scheduler:
         while self._waiting and len(self._running) + len(joining) < self._batch:
             joining.append(self._waiting.popleft())
         if joining:
-            rows = [StepRow(s.prompt, 0, None) for s in joining]
+            rows = [StepRow(s.prompt, 0, None, s.capacity) for s in joining]
             self._running.extend(joining)  # counted as running (and held) from their prefill on
             await self._run_step(joining, rows)
         decoding = [s for s in self._running if s not in joining]
         if decoding:
-            await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache) for s in decoding])
+            await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache, s.capacity) for s in decoding])
 
     async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow]) -> None:
         step = self._step
@@ -246,8 +250,9 @@ class Scheduler:
     def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:
         """Choose the sequence's next token, send what may be sent, and end it when it is done."""
         if self._banned:
-            logits = logits.copy()
-            logits[self._banned] = -np.inf
+            logits[self._banned] = -np.inf  # the step's output, the scheduler's to change
+        if sequence.params.ignore_eos:
+            logits[self._eos_id] = -np.inf
         token = choose_token(logits, sequence.params, sequence.rng)
         sequence.completion += 1
         sequence.last_token = token

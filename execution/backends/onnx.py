@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +54,8 @@ PLATFORM = "onnxruntime_onnx"
 DEFAULT_MODEL_FILENAME = "model.onnx"
 # Triton's default for auto-completed batchable models (its `default-max-batch-size`).
 DEFAULT_MAX_BATCH_SIZE = 4
+# How CPU instances hold sessions (``--backend-option cpu_sessions=...``); see default_intra_op_threads.
+DEFAULT_CPU_SESSIONS = "per_instance"
 # ONNX Runtime's own console logger writes a coloured line to stderr for every request it refuses;
 # its message reaches the client and our log (run_errors) instead. At --log-level debug it speaks again.
 _ORT_QUIET, _ORT_WARNINGS = 4, 2  # ONNX Runtime's severities: fatal only; warnings and up
@@ -79,30 +82,41 @@ _CONFIG_TYPES: dict[int, int] = {
 }
 
 
-def default_intra_op_threads(cores: int, device: str) -> int:
-    """A quarter of the cores (at least 1) on the CPU: a few executions in parallel,
-    each with a few threads. One on CUDA, where the CPU only feeds the device.
+CPU_SESSIONS = ("shared", "per_instance")
 
-    With one instance per execution thread (``cpu_instances``) a model alone
-    uses every core either way. Measured on 2 cores through the gateway
-    (single-row gRPC clients): 2 instances x 1 thread served the example
-    ``cnn`` at 1.8x the rows/s of 1 instance x 2 threads at 32 clients and the
-    same at 1 client; on the 5 ms ``cnn_large`` the single two-thread instance
-    answers one client faster (p50 5.0 vs 7.3 ms) but no more rows under load.
-    Many small executions side by side beat one wide one once requests queue,
-    and the few-threads-each split keeps the single-client latency on larger
-    machines."""
-    return 1 if device == "cuda" else max(1, cores // 4)
+
+def default_intra_op_threads(cores: int, device: str, cpu_sessions: str = "per_instance") -> int:
+    """Threads of one session's pool. One on CUDA, where the CPU only feeds the device.
+
+    ``shared`` (one session per model version on the CPU, its instances
+    concurrent ``Run`` calls on it): every core, so a lone request uses them
+    all and concurrent ones share one pool. ``per_instance`` (a session per
+    instance): a quarter of the cores, a few executions side by side with a
+    few threads each (one instance per execution thread, ``cpu_instances``,
+    so a model alone still uses every core)."""
+    if device == "cuda":
+        return 1
+    return max(1, cores) if cpu_sessions == "shared" else max(1, cores // 4)
+
+
+class _Session:
+    """An ONNX Runtime session, held by every instance that runs on it (one, or
+    in shared mode all CPU instances of a model version): it lives while any does."""
+
+    __slots__ = ("session", "__weakref__")
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
 
 
 class OnnxInstance:
-    """One ONNX Runtime session, run on the backend's shared thread pool."""
+    """One execution instance: runs of its ONNX Runtime session (its own, or one
+    its model version's CPU instances share) on the backend's thread pool."""
 
-    def __init__(
-        self, session: ort.InferenceSession, placement: Placement, executor: ThreadPoolExecutor, model: str = ""
-    ) -> None:
+    def __init__(self, session: _Session, placement: Placement, executor: ThreadPoolExecutor, model: str = "") -> None:
         self.placement = placement
-        self._session = session
+        self._held: _Session | None = session
+        self._session: ort.InferenceSession | None = session.session
         self._executor = executor
         self._model = model
 
@@ -124,7 +138,8 @@ class OnnxInstance:
     def close(self) -> None:
         # A run already on a thread holds its own reference, so the session's
         # memory goes when that run returns; nothing new can start on it.
-        self._session = None  # type: ignore[assignment]
+        self._session = None
+        self._held = None
 
 
 class OnnxBackend:
@@ -143,8 +158,17 @@ class OnnxBackend:
         self.device = "cuda" if options.device in ("auto", "cuda") and cuda_ready else "cpu"
         self._gpu_count = cuda_device_count() if self.device == "cuda" else 0
         cores = cpu_count()
-        self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device)
-        self.execution_threads = options.execution_threads or max(1, cores // self.intra_op_threads)
+        self.cpu_sessions = str(options.extra.get("cpu_sessions", DEFAULT_CPU_SESSIONS))
+        if self.cpu_sessions not in CPU_SESSIONS:
+            raise InvalidArgument(f"--backend-option cpu_sessions={self.cpu_sessions}: expected one of {', '.join(CPU_SESSIONS)}")
+        shared = self.cpu_sessions == "shared" and self.device == "cpu"
+        self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device, self.cpu_sessions)
+        # Shared: as many Run calls at once as cores, all on the one pool of each session
+        # (ONNX Runtime's Run is thread-safe); a lone call gets every core.
+        self.execution_threads = options.execution_threads or (cores if shared else max(1, cores // self.intra_op_threads))
+        self._shared = shared
+        # Sessions the instances of one model version share (shared mode), by what they were built from.
+        self._sessions: weakref.WeakValueDictionary[tuple[str, str, int, int, bytes], _Session] = weakref.WeakValueDictionary()
         # A model whose config names no instance group gets one instance per execution
         # thread: alone on the worker it keeps every core busy (instances x intra-op = cores).
         self.cpu_instances = self.execution_threads
@@ -160,6 +184,7 @@ class OnnxBackend:
         return (
             f"providers: {', '.join(self.providers)}{gpus}; "
             f"{self.execution_threads} execution threads x {self.intra_op_threads} intra-op threads"
+            + ("; CPU instances of a model version share one session" if self._shared else "")
         )
 
     # --- config -----------------------------------------------------------
@@ -206,6 +231,19 @@ class OnnxBackend:
         path = version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
         if not path.is_file():
             raise InvalidArgument(f"model file {path.name} not found in version {version_dir.name}")
+        if not (self._shared and placement.kind == "cpu"):
+            return OnnxInstance(_Session(self._create_session(path, version_dir, config, placement)), placement,
+                                self._executor, model=config.name)
+        stat = path.stat()
+        key = (str(path), str(placement), stat.st_mtime_ns, stat.st_size, config.SerializeToString(deterministic=True))
+        shared = self._sessions.get(key)
+        if shared is None:
+            shared = _Session(self._create_session(path, version_dir, config, placement))
+            self._sessions[key] = shared
+        return OnnxInstance(shared, placement, self._executor, model=config.name)
+
+    def _create_session(self, path: Path, version_dir: Path, config: mc.ModelConfig,
+                        placement: Placement) -> ort.InferenceSession:  # fmt: skip
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.intra_op_threads
         options.inter_op_num_threads = 1
@@ -229,7 +267,7 @@ class OnnxBackend:
         if placement.kind == "cuda" and _CUDA not in used:
             logger.warning("model %s: CUDA provider unavailable for %s, running on %s", config.name, placement, used)
         logger.debug("model %s version %s: session on %s (%s)", config.name, version_dir.name, placement, used)
-        return OnnxInstance(session, placement, self._executor, model=config.name)
+        return session
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

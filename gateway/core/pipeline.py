@@ -58,7 +58,6 @@ from gateway.ensembles.runner import StepRun
 from gateway.requests.classification import apply_classification
 from gateway.requests.validation import validate_request
 from gateway.routing.sequences import is_stateful
-from gateway.routing.streams import StreamRouting
 from gateway.types import DecoupledRefused, InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, Unavailable
 
@@ -70,12 +69,12 @@ def _ns(seconds: float) -> int:
 class RequestPipeline:
     """The request path over the gateway's parts; ``accepting`` is false before start and from shutdown on."""
 
-    def __init__(self, parts: GatewayParts, models: ModelCatalog) -> None:
+    def __init__(self, parts: GatewayParts, models: ModelCatalog, streaming: StreamPath) -> None:
         self._parts = parts
         self._models = models
         self._default_timeout_s = parts.config.default_timeout_s
         self.accepting = False
-        self.streaming = StreamPath(parts, StreamRouting(parts.router), parts.streams)
+        self.streaming = streaming  # decoupled models' path (``core.streaming``), built by the composition root
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Step 2, admit: the gateway-wide bounds come first; beyond them a request is refused at once."""

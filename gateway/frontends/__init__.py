@@ -3,7 +3,8 @@
 HTTP/REST (``http_api`` with its body codec ``http_codec`` and compressed
 bodies ``http_compression``, Triton's raw
 binary request form ``raw_binary`` and the management endpoints' JSON
-``http_json``; every HTTP error answer through ``http_errors``; the fleet's
+``http_json``; Triton's generate extension, events included, ``http_generate``;
+every HTTP error answer through ``http_errors``; the fleet's
 admin endpoints, drain and placement, in ``admin_routes``) and gRPC
 (``grpc_api`` with its wire conversion ``grpc_wire``, its error edge
 ``grpc_errors``, the health service ``grpc_health`` and the undecodable-

@@ -102,7 +102,7 @@ def create_http_app(
     shm = shm if shm is not None else SharedMemoryRegistry()
     tracing = tracing if tracing is not None else RequestTracing.off()
     api = _HttpApi(core, max_request_bytes, shm, tracing)
-    generate = GenerateApi(core, api._read_body, tracing)
+    generate = GenerateApi(core, api._read_body, tracing, _request_id.set)
     app = web.Application(
         middlewares=[error_middleware],
         client_max_size=max_request_bytes,

@@ -236,12 +236,15 @@ def input_specs(metadata: Any) -> dict[str, InputSpec]:
 
 
 class GenerateApi:
-    """The two endpoints, bound to one core; the app's ``read_body`` bounds and inflates bodies."""
+    """The two endpoints, bound to one core; the app's ``read_body`` bounds and inflates bodies,
+    and ``name_request`` hears each request's id (the error middleware logs it)."""
 
-    def __init__(self, core: InferenceCore, read_body: ReadBody, tracing: RequestTracing) -> None:
+    def __init__(self, core: InferenceCore, read_body: ReadBody, tracing: RequestTracing,
+                 name_request: Callable[[str], object] = lambda request_id: None) -> None:
         self._core = core
         self._read_body = read_body
         self._tracing = tracing
+        self._name_request = name_request
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         infer = await self._decode(request)
@@ -278,6 +281,7 @@ class GenerateApi:
         doc = parse_generate_body(await self._read_body(request))
         infer = generate_request(doc, model=name, version=version, inputs=specs)
         infer.arrival = now
+        self._name_request(infer.id)
         apply_timeout_header(infer, request.headers.get(TIMEOUT_HEADER), now)
         return infer
 

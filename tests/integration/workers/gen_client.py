@@ -91,11 +91,13 @@ class GenStream:
             generation.completion_tokens = params["completion_tokens"].int64_param
             generation.done.set()
 
-    def send(self, model: str, request_id: str, prompt: str | bytes, **options: object) -> Generation:
+    def send(self, model: str, request_id: str, prompt: str | bytes, *, parameters: dict[str, object] | None = None,
+             **options: object) -> Generation:
         generation = Generation()
         with self._lock:
             self.generations[request_id] = generation
-        self.client.async_stream_infer(model, gen_inputs(prompt, **options), request_id=request_id)  # type: ignore[arg-type]
+        self.client.async_stream_infer(model, gen_inputs(prompt, **options), request_id=request_id,  # type: ignore[arg-type]
+                                       parameters=parameters)
         return generation
 
     def generate(self, model: str, request_id: str, prompt: str | bytes, timeout_s: float = 30.0, **options: object) -> Generation:

@@ -85,12 +85,14 @@ def test_concurrent_greedy_equals_each_alone(stream: GenStream) -> None:
 
 
 def test_max_tokens_and_stop(stream: GenStream) -> None:
-    five = stream.generate("tiny_lm", "five", "Hello", max_tokens=5)
-    if five.finish_reason == "length":
-        assert five.completion_tokens == 5 == len(five.tokens)
-    long = stream.generate("tiny_lm", "long", "Hello", max_tokens=24)
+    five = stream.generate("tiny_lm", "five", "Hello", max_tokens=5, parameters={"ignore_eos": True})
+    assert (five.finish_reason, five.completion_tokens, len(five.tokens)) == ("length", 5, 5)
+    by_parameter = stream.generate("tiny_lm", "by-parameter", "Hello", parameters={"max_tokens": 3, "ignore_eos": True})
+    assert (by_parameter.completion_tokens, by_parameter.tokens) == (3, five.tokens[:3])
+    long = stream.generate("tiny_lm", "long", "Hello", max_tokens=24, parameters={"ignore_eos": True})
     stop = long.text[6:8]
-    stopped = stream.generate("tiny_lm", "stopped", "Hello", max_tokens=24, stop=[stop, b"\x00never\x00"])
+    stopped = stream.generate("tiny_lm", "stopped", "Hello", max_tokens=24, stop=[stop, b"\x00never\x00"],
+                              parameters={"ignore_eos": True})
     assert stopped.finish_reason == "stop"
     assert stopped.text == long.text[:long.text.find(stop)]
     assert stop not in stopped.text
@@ -112,12 +114,14 @@ def test_capacity_refusal(worker: Proc) -> None:
     holding = GenStream(worker_url(worker))
     refused = GenStream(worker_url(worker))
     try:
-        long = [holding.send("tiny_lm_small", f"hold-{i}", "keep going", max_tokens=400) for i in range(2)]
+        long = [holding.send("tiny_lm_small", f"hold-{i}", "keep going", max_tokens=400, parameters={"ignore_eos": True})
+                for i in range(2)]
         deadline = time.monotonic() + 10
         while not all(g.tokens for g in long):  # both admitted and running
             assert time.monotonic() < deadline
             time.sleep(0.01)
         third = refused.generate("tiny_lm_small", "third", "no room")
+        assert not any(g.done.is_set() for g in long)
         assert third.error is not None
         assert "model 'tiny_lm_small' is at capacity (2 sequences); retry later" in third.error
     finally:
@@ -127,7 +131,7 @@ def test_capacity_refusal(worker: Proc) -> None:
 
 def test_cancel_frees_the_sequence(worker: Proc) -> None:
     s = GenStream(worker_url(worker))
-    generation = s.send("tiny_lm", "cancel-me", "a long story", max_tokens=500)
+    generation = s.send("tiny_lm", "cancel-me", "a long story", max_tokens=500, parameters={"ignore_eos": True})
     deadline = time.monotonic() + 10
     while not generation.tokens:
         assert time.monotonic() < deadline

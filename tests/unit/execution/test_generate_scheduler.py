@@ -133,15 +133,16 @@ def test_eos_ends_with_stop() -> None:
             out.append((logits, seen))
         return out
 
-    async def main() -> Client:
+    async def main() -> tuple[Client, Client]:
         s = scheduler(eos_after_two)
-        client = start(s, b"ab", max_tokens=50)
+        client, ignoring = start(s, b"ab", max_tokens=50), start(s, b"ab", max_tokens=8, ignore_eos=True)
         await until_idle(s)
-        return client
+        return client, ignoring
 
-    client = asyncio.run(main())
+    client, ignoring = asyncio.run(main())
     assert client.end is not None and client.end.finish_reason == "stop"
     assert client.end.completion_tokens == len(client.chunks) + 1  # EOS counts, sends no bytes
+    assert ignoring.end is not None and (ignoring.end.finish_reason, len(ignoring.chunks)) == ("length", 8)
 
 
 def test_stop_string_is_cut_and_never_sent() -> None:
