@@ -59,6 +59,7 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # an extension (vLLM's too): run to max_tokens, for measurements
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +168,12 @@ def _generation(doc: Mapping[str, Any], kind: Kind, prompts: tuple[str, ...], ma
     n = _int(doc, "n", 1, MAX_N)
     stream, include_usage = _stream(doc)
     seed = _int(doc, "seed", 0, 2**63 - 1)
+    ignore_eos = doc.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadParameter("'ignore_eos' must be true or false", "ignore_eos")
     sampling = Sampling(max_tokens=max_tokens, temperature=_number(doc, "temperature", 0.0, 2.0),
-                        top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True), seed=seed, stop=_stop(doc))
+                        top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True), seed=seed, stop=_stop(doc),
+                        ignore_eos=ignore_eos)
     return Generation(kind, _model(doc), prompts, n or 1, stream, include_usage, sampling)
 
 
@@ -211,6 +216,8 @@ def model_request(generation: Generation, prompt: str, seed: int | None, *, inpu
                               "seed": seed}
     tensors = [_tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_), batched)]
     parameters: dict[str, Any] = {EMPTY_FINAL: True}
+    if s.ignore_eos:
+        parameters["ignore_eos"] = True
     for name, value in values.items():
         if value is None:
             continue

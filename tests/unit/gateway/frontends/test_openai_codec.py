@@ -63,6 +63,14 @@ def test_unset_fields_are_left_to_the_model_and_missing_inputs_go_as_parameters(
     assert request.parameters == {EMPTY_FINAL: True, "max_tokens": 3, "stop": "z"}
 
 
+def test_ignore_eos_goes_to_the_model_as_a_request_parameter() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "ignore_eos": True})
+    request = model_request(g, "x", None, inputs=LM, batched=False, request_id="r")
+    assert request.parameters == {EMPTY_FINAL: True, "ignore_eos": True}
+    with pytest.raises(BadParameter):
+        completion_request({"model": "lm", "prompt": "x", "ignore_eos": "yes"})
+
+
 def test_a_model_without_text_input_is_refused() -> None:
     g = completion_request({"model": "simple", "prompt": "x"})
     with pytest.raises(BadParameter, match="not a text generation model") as info:
