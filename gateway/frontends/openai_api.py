@@ -61,7 +61,7 @@ from gateway.frontends.openai_codec import (
 from gateway.frontends.openai_errors import body_of
 from gateway.frontends.openai_text import BadParameter, StopMatcher, TextJoiner
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
-from gateway.types import InferenceCore, InferRequest, Tensor
+from gateway.types import InferenceCore, InferRequest, InferResponse, Tensor
 from protos.errors import InferGateError, Internal, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ class _Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The model's response that completed ``text``: the core hears when its chunk is written.
+    response: InferResponse | None = None
 
 
 Emit = Callable[[_Event], Awaitable[None]]
@@ -223,8 +225,7 @@ class OpenAIApi:
                 tokens += bool(data)
                 text = matcher.feed(joiner.feed(data))
                 if text:
-                    await emit(_Event(index, text))
-                    self._core.stream_written(response)
+                    await emit(_Event(index, text, response=response))
                 if response.final:
                     reason, prompt_tokens, completion_tokens = final_counts(response)
                 if matcher.stopped:
@@ -261,6 +262,8 @@ class OpenAIApi:
                     started.add(event.index)
                     if event.text or (first and g.kind == "chat"):
                         await stream.write(_sse(chunk_json(g, rid, created, event.index, event.text, first=first)))
+                        if event.response is not None:
+                            self._core.stream_written(event.response)
                     if event.done:
                         counts[event.index] = event
                         await stream.write(_sse(chunk_json(g, rid, created, event.index, None, event.finish_reason)))

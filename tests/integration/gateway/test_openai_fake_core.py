@@ -48,9 +48,10 @@ class GenerativeCore:
         self.closed = 0
         self.all_closed = asyncio.Event()
         self.requests: list[InferRequest] = []
+        self.written: list[InferResponse] = []
 
     def stream_written(self, response: InferResponse) -> None:
-        pass
+        self.written.append(response)
 
     def model_metadata(self, name: str, version: str = "") -> service_pb2.ModelMetadataResponse:
         if name != "lm":
@@ -141,6 +142,7 @@ async def test_chunks_go_out_as_tokens_come_and_a_split_character_comes_whole(se
     assert rest[2]["choices"] == [] and rest[2]["usage"] == {"prompt_tokens": 8, "completion_tokens": 7,
                                                                "total_tokens": 15}
     assert rest[3] == "[DONE]"
+    assert len(core.written) == 6  # each text chunk's completing response, reported once written
 
 
 async def test_whole_answer_of_n_choices_with_usage_summed(served: tuple) -> None:
