@@ -9,7 +9,11 @@ on its own gRPC ``ModelStreamInfer`` stream as separate clients would send
 them (a bare ``grpc.aio`` client, so the client's own CPU weighs little), alternating the two for ``--rounds`` rounds,
 and reports output tokens/s, time to first token and inter-token latency.
 
-Run: ``python bench/generate_bench.py [--sequences 16] [--max-tokens 64] [--rounds 3]``
+With ``--in-process`` it also runs both in this process with no gRPC (the
+worker's model and stream path, each response encoded and dropped), which
+shows what one response per token over gRPC costs.
+
+Run: ``python bench/generate_bench.py [--sequences 16] [--max-tokens 64] [--rounds 3] [--in-process]``
 (after ``infergate models build``). The machine may be shared: read the
 ratio of the two rows, not absolute values.
 """
@@ -27,11 +31,17 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from execution.backends.base import BackendOptions, Placement  # noqa: E402
+from execution.backends.generate import create_backend  # noqa: E402
+from execution.model import LoadedModel  # noqa: E402
 from loadtest.suite_procs import cpu_seconds  # noqa: E402
 from tests.harness import start_worker, worker_url  # noqa: E402
+from workers.decoupled import serve_decoupled  # noqa: E402
 
 FINAL = "triton_final_response"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -88,12 +98,38 @@ async def _round(url: str, model: str, sequences: int, max_tokens: int, tag: str
             "ttft_p50_ms": 1000 * statistics.median(ttft), "itl_p50_ms": 1000 * statistics.median(gaps)}
 
 
+async def _in_process(root: Path, model: str, sequences: int, max_tokens: int) -> dict[str, float]:
+    """The same generations with no gRPC: the worker's model and stream path, each response encoded and dropped."""
+    config = text_format.Parse((root / model / "config.pbtxt").read_text(), mc.ModelConfig())
+    instance = create_backend(BackendOptions()).load(root / model, root / model / "1", config, Placement("cpu"))
+    loaded = LoadedModel(config, 1, [instance], max_queue_size=sequences)
+    sent = 0
+
+    async def write(_: service_pb2.ModelStreamInferResponse) -> None:
+        nonlocal sent
+        sent += 1
+
+    try:
+        requests = [_request(model, f"{model}-{i}", f"prompt {i}: {'abcdefgh'[: i % 8]}".encode(), max_tokens)
+                    for i in range(sequences)]
+        await asyncio.gather(*(serve_decoupled(loaded, r, write) for r in requests))  # warm
+        sent, cpu, start = 0, time.process_time(), time.monotonic()
+        await asyncio.gather(*(serve_decoupled(loaded, r, write) for r in requests))
+        wall, cpu = time.monotonic() - start, time.process_time() - cpu
+    finally:
+        loaded.close()
+    tokens = sent - sequences  # less the final responses
+    return {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker-args", default="", help="extra worker arguments, e.g. '--intra-op-threads 1'")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also run the model in this process with no gRPC (what the stream path costs)")
     args = parser.parse_args()
     if not (MODELS_DIR / "tiny_lm" / "1" / "model.onnx").is_file():
         print("build the example models first: infergate models build", file=sys.stderr)
@@ -116,6 +152,11 @@ def main() -> int:
                     results[model].append(result)
         finally:
             worker.stop()
+        in_process = {}
+        if args.in_process:
+            for model in ("tiny_lm", "tiny_lm_serial"):
+                rounds = [asyncio.run(_in_process(root, model, args.sequences, args.max_tokens)) for _ in range(args.rounds)]
+                in_process[model] = statistics.median(r["tokens_per_s"] for r in rounds)
     print(f"{args.sequences} concurrent sequences x {args.max_tokens} tokens, {args.rounds} rounds (median)")
     print("| scheduling | output tokens/s | tokens per worker CPU-second | time to first token p50 | inter-token latency p50 |")
     print("|---|---:|---:|---:|---:|")
@@ -129,6 +170,9 @@ def main() -> int:
     ratios = [b["tokens_per_s"] / s["tokens_per_s"] for b, s in zip(results["tiny_lm"], results["tiny_lm_serial"])]
     print(f"tokens/s ratio: {medians['tiny_lm'] / medians['tiny_lm_serial']:.1f}x (per round: "
           f"{', '.join(f'{r:.1f}' for r in ratios)}); per worker CPU-second: {per_cpu['tiny_lm'] / per_cpu['tiny_lm_serial']:.1f}x")
+    if in_process:
+        print(f"in process, no gRPC: {in_process['tiny_lm']:.0f} vs {in_process['tiny_lm_serial']:.0f} tokens/s, "
+              f"{in_process['tiny_lm'] / in_process['tiny_lm_serial']:.1f}x")
     return 0
 
 

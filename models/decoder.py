@@ -40,10 +40,10 @@ MASKED_SCORE = -1e9  # replaces a masked score: exp() of it is exactly 0, and no
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
     vocab: int = BYTE_TOKENS + 3
-    d_model: int = 128
+    d_model: int = 64
     heads: int = 4
     layers: int = 2
-    d_ff: int = 512
+    d_ff: int = 256
     max_positions: int = 512
 
     @property

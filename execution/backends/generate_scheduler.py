@@ -176,14 +176,19 @@ class Scheduler:
     # --- admission (event loop thread) -------------------------------------------
 
     def admit(self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenOut], None],
-              cancelled: threading.Event, token_bytes: Callable[[int], bytes]) -> GenSequence:  # fmt: skip
-        """Queue one request, or refuse it: capacity (Overloaded, retryable) or a request that can never fit."""
+              cancelled: threading.Event, token_bytes: Callable[[int], bytes]) -> GenSequence | None:  # fmt: skip
+        """Queue one request, or refuse it: capacity (Overloaded, retryable) or a request that can never fit.
+
+        ``max_tokens`` 0 is answered at once (no step, nothing held): None."""
         limits = self.limits
         if self._closed:
             raise Unavailable(f"model '{self.model}' is unloading")
         if len(prompt) >= limits.max_positions:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens exceeds the context of model '{self.model}' "
                                   f"({limits.max_positions} tokens)")
+        if params.max_tokens == 0:
+            emit(TokenOut(finish_reason="length", prompt_tokens=len(prompt), completion_tokens=0))
+            return None
         capacity = min(len(prompt) + params.max_tokens, limits.max_positions)
         reserved = capacity * limits.cache_bytes_per_token
         if reserved > limits.max_cache_bytes:

@@ -1,7 +1,8 @@
 """The generation backend on a real ``infergate worker``, over tritonclient's
 gRPC stream: ``tiny_lm`` with continuous batching.
 
-Concurrent greedy generations equal, token for token, each run alone;
+Concurrent greedy generations equal, token for token, each run alone, also
+when they join a batch already running;
 ``max_tokens`` and ``stop`` are honoured; seeded sampling repeats itself
 alone or batched; a full instance refuses in the contract's words; a
 cancelled stream's sequence leaves the batch (the worker's metrics say so).
@@ -82,6 +83,23 @@ def test_concurrent_greedy_equals_each_alone(stream: GenStream) -> None:
         assert many.prompt_tokens == len(PROMPTS[i].encode()) + 1  # + BOS
     # Each response carried one token's byte.
     assert all(len(t) == 1 for g in batched for t in g.tokens)
+
+
+def test_sequences_joining_a_running_batch_decode_as_alone(stream: GenStream) -> None:
+    options = {"max_tokens": 64, "parameters": {"ignore_eos": True}}
+    alone = [stream.generate("tiny_lm", f"join-alone-{i}", p, **options) for i, p in enumerate(PROMPTS[:4])]  # type: ignore[arg-type]
+    first = stream.send("tiny_lm", "join-0", PROMPTS[0], **options)  # type: ignore[arg-type]
+    joined = [first]
+    for i, prompt in enumerate(PROMPTS[1:4], start=1):
+        deadline = time.monotonic() + 10
+        while len(first.tokens) < 8 * i:  # the batch is running: the next one joins mid-way
+            assert time.monotonic() < deadline and not first.done.is_set()
+            time.sleep(0.002)
+        assert not first.done.is_set()
+        joined.append(stream.send("tiny_lm", f"join-{i}", prompt, **options))  # type: ignore[arg-type]
+    for one, late in zip(alone, joined):
+        assert late.done.wait(30) and late.error is None
+        assert late.tokens == one.tokens
 
 
 def test_max_tokens_and_stop(stream: GenStream) -> None:

@@ -123,6 +123,11 @@ def test_max_tokens_ends_with_length_and_counts() -> None:
     assert client.end.prompt_tokens == 4
 
 
+def test_max_tokens_zero_ends_at_once() -> None:
+    client = run_alone(b"abc", max_tokens=0)
+    assert client.chunks == [] and client.end == TokenOut(finish_reason="length", prompt_tokens=4, completion_tokens=0)
+
+
 def test_eos_ends_with_stop() -> None:
     def eos_after_two(rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
         out = []
