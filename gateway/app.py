@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="load a model on a worker when its first request comes (see docs/fleets-and-operations.md)")
     parser.add_argument("--config", default=None, help="YAML config file (see docs/configuration.md)")
     parser.add_argument("--model-repository", default=None,
-                        help="the workers' model repository, read only to split logical models declared with `from:`")
+                        help="the workers' model repository, read to split logical models declared with `from:`; "
+                             "with --local, the models this process runs itself")
+    add_local_arguments(parser)
     parser.add_argument("--batching", dest="batching_mode", choices=["adaptive", "fixed", "off"], default=None,
                         help="default batching mode for every model (default adaptive)")
     parser.add_argument("--ready-file", default=None, help="write {http_port, grpc_port, pid} here once serving (with --processes N: also gateway_pids, peer_ports)")
@@ -89,6 +91,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-spec", default=None, help=argparse.SUPPRESS)
     add_triton_arguments(parser)
     add_security_arguments(parser)
+
+
+def add_local_arguments(parser: argparse.ArgumentParser, *, switch: bool = True) -> None:
+    """Local execution's flags (``infergate gateway --local``, ``serve``, ``up --local``)."""
+    if switch:
+        parser.add_argument("--local", action="store_true", default=None,
+                            help="run the models of --model-repository in this process too, first in each "
+                                 "model's rotation (see docs/single-process.md)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="local execution: auto = CUDA when a GPU is usable")
+    parser.add_argument("--intra-op-threads", type=int, default=None,
+                        help="local execution: threads per ONNX Runtime session (0 = the worker's default)")
+    parser.add_argument("--execution-threads", type=int, default=None,
+                        help="local execution: executions at once, all models (0 = the worker's default)")
+    parser.add_argument("--cpu-sessions", choices=("shared", "per_instance"), default=None,
+                        help="local execution: how ONNX Runtime sessions use the CPU (see docs/single-process.md)")
+
+
+def local_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"local": {"enabled": getattr(args, "local", None), "device": args.device,
+                      "intra_op_threads": args.intra_op_threads, "execution_threads": args.execution_threads,
+                      "cpu_sessions": args.cpu_sessions}}
 
 
 def _bool_flag(text: str) -> bool:
@@ -136,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_repository=str(Path(args.model_repository).resolve()) if args.model_repository else None,
         **triton_overrides(args),
         **security_overrides(args),
+        **local_overrides(args),
     )
     trace_config(config)  # a bad --trace-config entry stops here, with its reason
     return config
@@ -192,6 +217,8 @@ async def start_gateway(
     gateway = composed.gateway
     # trace_mode opentelemetry: this process's spans go to the configured OTLP endpoint.
     tracing.install("infergate-gateway", trace_config(config))
+    if composed.local is not None:  # its models loaded (and warmed up) before the cluster's first probe reads them
+        await composed.local.start()
     await gateway.start()
 
     # The decoding guard goes first, so it wraps the others: they never see a malformed message.
@@ -255,7 +282,8 @@ async def start_gateway(
         raise ConfigError(cannot_listen("HTTP", config.host, config.http_port, "--http-port", e)) from None
     http_port = runner.addresses[0][1]
     frontend.set_serving(True)
-    log.info("gateway serving: HTTP %s:%d, gRPC %s:%d, %d worker(s)", config.host, http_port, config.host, grpc_port, len(config.workers))
+    log.info("gateway serving: HTTP %s:%d, gRPC %s:%d, %d worker(s)%s", config.host, http_port, config.host, grpc_port,
+             len(config.workers), ", models run in this process too" if composed.local is not None else "")
     return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port, peer_runner, shm)
 
 
@@ -290,10 +318,12 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_args(args)
         if args.processes < 0:
             raise ConfigError("--processes must be >= 0 (0: one per core)")
+        if config.local.enabled and args.processes != 1:
+            raise ConfigError("local execution runs in one gateway process: drop --processes")
     except ConfigError as e:
         print(f"infergate gateway: {e}", file=sys.stderr)
         return 2
-    if not config.workers and not args.process_spec:
+    if not config.workers and not args.process_spec and not config.local.enabled:
         log.warning("no workers configured: the gateway serves no model until workers are added")
     install_event_loop_policy()
     processes = process_count(args.processes)

@@ -15,6 +15,11 @@ shared-memory regions and the log settings: replicated among several
 processes) and is what ``gateway.app`` calls. Tests build gateways here too,
 passing a cluster or router of their own.
 
+With ``local.enabled`` (``infergate serve``) it builds the local replica
+(``gateway.fleet.local_replica``: the repository's models run in this
+process) and hands it to the cluster as one more worker, and the router a
+choice policy that tries it first (``LocalFirst``).
+
 May import every gateway package (it sits above the core), except
 ``gateway.app`` and ``gateway.up``, which import it.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from tritonclient.grpc import model_config_pb2
 
@@ -34,7 +40,8 @@ from gateway.core.models import ModelCatalog
 from gateway.core.pipeline import RequestPipeline
 from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
-from gateway.fleet.cluster import Cluster
+from gateway.fleet.cluster import Cluster, ClientFactory
+from gateway.fleet.local_replica import LOCAL_SPEC, LocalOptions, LocalReplica
 from gateway.fleet.manager import Fleet, PlacementFactory
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
@@ -50,7 +57,7 @@ from gateway.observability.tracing import RequestTracing
 from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
 from gateway.requests.shared_memory import SharedMemoryRegistry
-from gateway.routing.choice import LeastLoaded
+from gateway.routing.choice import LeastLoaded, LocalFirst, ReplicaChooser
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
@@ -58,7 +65,8 @@ from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
 from gateway.routing.streams import StreamRouting
 from gateway.security.setup import worker_client_factory, worker_token
-from gateway.settings import GatewayConfig
+from gateway.fleet.worker_client import WorkerClient
+from gateway.settings import GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, InferResponse
 
 # (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
@@ -85,12 +93,14 @@ class Composition:
     logs: LogSettings
     group: ProcessGroup | None = None  # set for a process among several
     replicator: Replicator | None = None  # its extension state, changed in every process
+    local: LocalReplica | None = None  # the models this process runs itself (``local.enabled``); started by the app
 
 
 def compose(config: GatewayConfig, group: ProcessGroup | None = None) -> Composition:
     """One process's gateway; with ``group``, one process among several (``gateway.multiproc``)."""
     if group is None:
-        return Composition(build_gateway(config), SharedMemoryRegistry(), LogSettings())
+        local = build_local(config)
+        return Composition(build_gateway(config, local=local), SharedMemoryRegistry(), LogSettings(), local=local)
     replicator = Replicator(group)
     gateway = build_gateway(config, seams=group_seams(group, replicator))
     return Composition(gateway, GroupRegions(replicator), GroupLogSettings(replicator), group, replicator)
@@ -111,10 +121,12 @@ def group_seams(group: ProcessGroup, replicator: Replicator) -> Seams:
 
 
 def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, router: Router | None = None,
-                  seams: Seams = Seams()) -> Gateway:
-    """The gateway of ``config``: every part built here (``cluster`` and ``router`` may be given), then the core."""
-    cluster = cluster or build_cluster(config)
-    router = router or build_router(config, cluster)
+                  seams: Seams = Seams(), local: LocalReplica | None = None) -> Gateway:
+    """The gateway of ``config``: every part built here (``cluster`` and ``router`` may be given), then the core.
+
+    ``local``: a replica in this process, one more member of the cluster, tried first by the router."""
+    cluster = cluster or build_cluster(config, local)
+    router = router or build_router(config, cluster, local_first=local is not None)
     gateway: Gateway  # bound at the end: two parts call back into the gateway, through these two functions
 
     def known_model(name: str) -> bool:  # the trace settings' check of a model name
@@ -152,20 +164,34 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     return gateway
 
 
-def build_cluster(config: GatewayConfig) -> Cluster:
+def build_local(config: GatewayConfig) -> LocalReplica | None:
+    """The local replica of ``local.enabled``: the repository's models, loaded when the app starts it."""
+    if not config.local.enabled:
+        return None
+    return LocalReplica(LocalOptions.from_settings(config.model_repository, config.local, config.shutdown_grace_s))
+
+
+def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:
+    remote: ClientFactory = worker_client_factory(config)  # with the worker token and TLS, when configured
+
+    def factory(spec: WorkerSpec) -> WorkerClient:  # the local replica answers as a worker client does
+        return cast(WorkerClient, local) if local is not None and spec == LOCAL_SPEC else remote(spec)
+
     return Cluster(
-        config.workers,
+        (LOCAL_SPEC, *config.workers) if local is not None else config.workers,
         probe_interval_s=config.probe.interval_s,
         failures_to_down=config.probe.failures_to_down,
         probe_timeout_s=config.probe.timeout_s,
         model_hints=tuple(config.models),
-        # The worker token and TLS credentials, when configured.
-        client_factory=worker_client_factory(config),
+        client_factory=factory,
     )
 
 
-def build_router(config: GatewayConfig, cluster: Cluster) -> Router:
+def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool = False) -> Router:
     retry = config.retry
+    chooser: ReplicaChooser = LeastLoaded()
+    if local_first:  # the replica in this process while it has a free slot
+        chooser = LocalFirst(chooser)
     return Router(
         cluster,
         max_inflight_per_replica=config.batching.max_inflight_per_replica,
@@ -176,7 +202,7 @@ def build_router(config: GatewayConfig, cluster: Cluster) -> Router:
         retry_budget=RetryBudget.from_settings(retry),
         outliers=OutlierDetector(config.outlier),
         hedging=config.hedge, per_model=config.models, row_costs=RowCosts(config.batching.light_row_ms / 1000),
-        chooser=LeastLoaded(),  # the replica choice policy
+        chooser=chooser,  # the replica choice policy
     )
 
 

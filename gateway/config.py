@@ -266,6 +266,8 @@ def _validate(config: GatewayConfig) -> None:
     for key in ("max_request_bytes", "default_timeout_s"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
+    if config.local.enabled and not config.model_repository:
+        raise ConfigError("local.enabled needs model_repository: the models the gateway runs itself")
     for key in ("http_port", "grpc_port"):
         if not 0 <= getattr(config, key) < 65536:
             raise ConfigError(f"{key} must be a port number (0 picks a free one)")

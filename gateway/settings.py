@@ -1,7 +1,7 @@
 """The gateway's settings as typed records: ``GatewayConfig`` and its groups.
 
 One frozen record per concern (batching, cache, probe, retry, outlier, hedge,
-admission, membership, placement, autoscale, security), nested in
+admission, membership, placement, autoscale, security, local execution), nested in
 ``GatewayConfig`` under the names the YAML file uses (``retry.budget_percent``
 is ``config.retry.budget_percent``). Each group checks its own values when
 built, so a bad key fails at load and names itself as ``group.key``.
@@ -20,6 +20,9 @@ WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
 MODEL_CONTROL_MODES = ("none", "explicit")
 WORKER_CALLS = ("unary", "stream")
+LOCAL_DEVICES = ("auto", "cpu", "cuda")
+# How a local replica's ONNX Runtime sessions use the CPU (execution.backends.onnx).
+CPU_SESSIONS = ("shared", "per_instance")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",
@@ -316,12 +319,35 @@ class SecuritySettings:
                 raise ConfigError(f"security.{cert} and security.{key} go together: give both or neither")
 
 
+@dataclass(frozen=True, slots=True)
+class LocalSettings:
+    """Local execution (gateway/fleet/local_replica.py, ``infergate serve``): with
+    ``enabled``, the models of ``model_repository`` run in the gateway process, one
+    more replica beside any workers. The rest as the worker's flags of the same
+    names (0 / "" = the worker's defaults)."""
+
+    enabled: bool = False
+    device: str = "auto"
+    intra_op_threads: int = 0
+    execution_threads: int = 0
+    cpu_sessions: str = ""
+    max_queue_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.device not in LOCAL_DEVICES:
+            raise ConfigError(f"local.device must be one of {LOCAL_DEVICES}, got {self.device!r}")
+        if self.cpu_sessions not in ("", *CPU_SESSIONS):
+            raise ConfigError(f"local.cpu_sessions must be one of {CPU_SESSIONS}, got {self.cpu_sessions!r}")
+        _not_negative("local", self, "intra_op_threads", "execution_threads")
+        _positive("local", self, "max_queue_size")
+
+
 # The groups, by the name each has in the config file and on GatewayConfig.
 GROUPS: dict[str, type] = {
     "batching": BatchingSettings, "cache": CacheSettings, "probe": ProbeSettings, "retry": RetrySettings,
     "outlier": OutlierSettings, "hedge": HedgeSettings, "admission": AdmissionSettings,
     "membership": MembershipSettings, "placement": PlacementSettings, "autoscale": AutoscaleSettings,
-    "security": SecuritySettings,
+    "security": SecuritySettings, "local": LocalSettings,
 }
 
 
@@ -349,7 +375,8 @@ class GatewayConfig:
     # The `name` server metadata gives (HTTP `GET /v2`, gRPC ServerMetadata): "triton"
     # lets a fleet keep clients that check it while they move to the gateway.
     server_name: str = "infergate"
-    # The workers' repository, read only to split the logical models declared with `from:` (`up` fills it in).
+    # The workers' repository, read to split the logical models declared with `from:` (`up` fills it in),
+    # and the models the gateway runs itself with `local.enabled`.
     model_repository: str = ""
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
@@ -362,6 +389,7 @@ class GatewayConfig:
     placement: PlacementSettings = field(default_factory=PlacementSettings)
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    local: LocalSettings = field(default_factory=LocalSettings)
     # model name -> settings: batching overrides (BatchPolicy keys) and, for
     # logical models, parallel layouts (from, tensor_parallel, ...).
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

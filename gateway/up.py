@@ -6,7 +6,8 @@ workers running: a worker that dies is restarted on its port, so the gateway's
 probes bring it back into rotation. Ctrl-C/SIGTERM stops the gateway first
 (draining requests), then the workers. With ``--register`` the gateway starts
 first and the workers join it by registering (``infergate worker --gateway``),
-as a fleet does.
+as a fleet does. With ``--local`` the gateway runs the repository's models
+itself too, first in each model's rotation (``--workers 0``: it alone).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.app import RunningGateway, add_triton_arguments, start_gateway, triton_overrides, wait_for_signal
+from gateway.app import (RunningGateway, add_local_arguments, add_triton_arguments, local_overrides, start_gateway,
+                         triton_overrides, wait_for_signal)
 from gateway.observability.trace_settings import trace_config
 from gateway.config import load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gateway processes sharing the HTTP and gRPC ports (default 1; 0: one per core)")
     add_triton_arguments(parser)
     add_security_arguments(parser)
+    add_local_arguments(parser)
 
 
 class LocalWorker:
@@ -248,7 +251,8 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         print(
             f"infergate is up: HTTP http://{host}:{running.http_port}  gRPC {host}:{running.grpc_port}  "
-            f"workers: {', '.join(w.address for w in workers)}\n"
+            f"workers: {', '.join(w.address for w in workers) or 'none'}"
+            f"{'  models run in the gateway too' if config.local.enabled else ''}\n"
             f"{try_request(running.gateway.cluster.models(), f'http://{local}:{running.http_port}')}\n"
             "  Ctrl-C stops everything.",
             flush=True,
@@ -344,7 +348,10 @@ def run(args: argparse.Namespace) -> int:
                              batching={"mode": args.batching_mode},
                              model_repository=str(Path(args.model_repository).resolve()),
                              **triton_overrides(args),
-                             **security_overrides(args))
+                             **security_overrides(args),
+                             **local_overrides(args))
+        if config.local.enabled and process_count(args.gateway_processes) > 1:
+            raise ConfigError("local execution runs in one gateway process: drop --gateway-processes")
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("workers.server", "run a worker server on a model repository"),
     "models": ("models.build", "build the example model repository"),
     "gateway": ("gateway.app", "run the gateway in front of workers"),
+    "serve": ("gateway.serve", "run the gateway with the repository's models in its own process"),
     "up": ("gateway.up", "start a local cluster: N workers and a gateway"),
     "bench": ("loadtest.cli", "load-test any KServe v2 server (perf_analyzer style)"),
     "split": ("splitter.cli", "split an ONNX model for tensor/pipeline parallelism"),

@@ -3,7 +3,8 @@
 Owns what the repository holds (the models of ``models.graphs`` with their
 batching settings, the ``classify`` ensemble: ``preprocess`` -> ``cnn`` ->
 ``postprocess``, the stateful models of ``models.sequences`` and the
-decoupled Python models of ``models.python_models``), the
+decoupled Python models of ``models.python_models`` and the generative
+``tiny_lm`` of ``models.decoder``), the
 benchmark's compute-bound ``cnn_large`` (``--bench``) and ``encoder_large``
 (``--large``, hidden 1024, big enough that splitting it pays), both built only
 on request, writing and listing a repository, and the
@@ -41,6 +42,7 @@ from models.graphs import (
     build_simple,
     build_string_to_int,
 )
+from models.decoder import build_tiny_lm, tiny_lm_config
 from models.python_models import PYTHON_MODEL_NAMES, build_python_models
 from models.sequences import SEQUENCE_MODEL_FILES, SEQUENCE_MODEL_NAMES, SEQUENCE_MODELS
 
@@ -105,6 +107,8 @@ BENCH_MODELS: tuple[ExampleModel, ...] = (
 LARGE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("encoder_large", build_encoder_large, max_batch_size=8, dynamic_batching=True),
 )
+# The generative example (``models.decoder``): an ONNX decoder step served by the worker's ``generate`` backend.
+GENERATIVE_MODEL = "tiny_lm"
 # Ensembles: configs only (an empty version directory, as Triton wants), run by the gateway.
 EXAMPLE_ENSEMBLES: tuple[Callable[[], mc.ModelConfig], ...] = (classify_config,)
 
@@ -112,7 +116,7 @@ EXAMPLE_ENSEMBLES: tuple[Callable[[], mc.ModelConfig], ...] = (classify_config,)
 def example_names() -> list[str]:
     """Every model of the example repository, ensembles and stateful models included, in build order."""
     return ([m.name for m in EXAMPLE_MODELS] + [build().name for build in EXAMPLE_ENSEMBLES] + list(SEQUENCE_MODEL_NAMES)
-            + list(PYTHON_MODEL_NAMES))
+            + list(PYTHON_MODEL_NAMES) + [GENERATIVE_MODEL])
 
 
 def _config_dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
@@ -153,7 +157,7 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
             sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(data_type=spec.data_type, dims=spec.dims,
                                                                     random_data=True))
     # No instance_group: the server decides -- one instance per GPU, or on the CPU
-    # as many as keep every core busy (our worker; see workers/backends/onnx.py).
+    # as many as keep every core busy (our worker; see execution/backends/onnx.py).
     return config
 
 
@@ -197,6 +201,11 @@ def build_repository(path: str | Path, models: tuple[ExampleModel, ...] = EXAMPL
         names.append(config.name)
     if models is EXAMPLE_MODELS:  # the examples; not the benchmark's repository
         names.extend(build_python_models(root))
+        config = CONFIG_HEADER + text_format.MessageToString(tiny_lm_config(GENERATIVE_MODEL))
+        _write_if_changed(root / GENERATIVE_MODEL / "1" / "model.onnx", build_tiny_lm().SerializeToString())
+        _write_if_changed(root / GENERATIVE_MODEL / "config.pbtxt", config.encode())
+        logger.info("built generative model %s in %s", GENERATIVE_MODEL, root)
+        names.append(GENERATIVE_MODEL)
     return names
 
 

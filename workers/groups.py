@@ -31,7 +31,7 @@ import numpy as np
 from protos.collective_pb2 import Boundary, PeerMessage, RunRequest, RunResponse, SetupGroupRequest, Step
 from protos.collective_tensors import ALLGATHER, ALLREDUCE_SUM, NONE, combine, fill_message, from_message, to_message
 from protos.errors import InvalidArgument, Unavailable
-from workers.manager import ModelManager
+from execution.manager import ModelManager
 from workers.peers import BatchKey, Mailbox, PeerLinks
 from workers.ring import RING_MIN_RANKS, first_error, ring_allreduce
 

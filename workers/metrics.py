@@ -1,7 +1,9 @@
 """The worker's Prometheus metrics.
 
 Per loaded model version, Triton's ``nv_inference_*`` families, read from the
-live ``ModelStats`` at scrape time (no second set of counters). Per device,
+live ``ModelStats`` at scrape time (no second set of counters), and per
+generation model the ``infergate_generation_*`` families (tokens, running and
+waiting sequences, KV cache bytes) read from its schedulers. Per device,
 Triton's ``nv_gpu_*`` gauges through NVML (the ``nvidia-ml-py`` package) when
 it is installed and a driver answers, and the host's ``nv_cpu_*`` gauges from
 ``/proc``. A machine without a GPU simply has no ``nv_gpu_*`` series: that is
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
@@ -33,7 +35,8 @@ from serverkit.nvml import Nvml
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
-    from workers.manager import ModelManager
+    from execution.manager import ModelManager
+    from execution.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +220,34 @@ class WorkerModelCollector(Collector):
             output_us.add_metric(key, s.compute_output.ns // 1000)
             pending.add_metric(key, model.inflight)
         yield from (counters.success, counters.failure, counters.count, counters.execs, counters.request_us, counters.queue_us, input_us, counters.infer_us, output_us, pending)
+        yield from _generation_metrics(models, labels)
         yield GaugeMetricFamily("infergate_worker_models_loaded", "Model versions loaded now", value=len(models))
+
+
+def _generation_metrics(models: list[LoadedModel], labels: list[str]) -> Iterator[Metric]:
+    """Per generation model (instances with ``generation_stats``): tokens, sequences, KV cache in use."""
+    tokens = CounterMetricFamily("infergate_generation_tokens", "Tokens generated", labels=labels)
+    running = GaugeMetricFamily("infergate_generation_sequences_running", "Sequences in the running batch", labels=labels)
+    waiting = GaugeMetricFamily("infergate_generation_sequences_waiting", "Sequences admitted, waiting to join the batch",
+                                labels=labels)
+    cache = GaugeMetricFamily("infergate_generation_cache_bytes", "KV cache held by running sequences, in bytes",
+                              labels=labels)
+    reserved = GaugeMetricFamily("infergate_generation_cache_reserved_bytes",
+                                 "KV cache reserved by admitted sequences (prompt + max_tokens), in bytes", labels=labels)
+    found = False
+    for model in models:
+        samples = [stats() for stats in (getattr(i, "generation_stats", None) for i in model.instances) if stats is not None]
+        if not samples:
+            continue
+        found = True
+        key = [model.name, model.version_str]
+        tokens.add_metric(key, sum(s.tokens_generated for s in samples))
+        running.add_metric(key, sum(s.running for s in samples))
+        waiting.add_metric(key, sum(s.waiting for s in samples))
+        cache.add_metric(key, sum(s.cache_bytes for s in samples))
+        reserved.add_metric(key, sum(s.reserved_cache_bytes for s in samples))
+    if found:
+        yield from (tokens, running, waiting, cache, reserved)
 
 
 # ---- the endpoint -------------------------------------------------------------------

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from protos import cluster_pb2, cluster_pb2_grpc
-from workers.manager import ModelManager
+from execution.manager import ModelManager
 from workers.metrics import GpuMonitor, HostMonitor
 from serverkit.nvml import Nvml
 from serverkit.tasks import log_task_death

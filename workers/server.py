@@ -47,15 +47,15 @@ from serverkit.listen import cannot_listen
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
 from protos.collective_pb2_grpc import add_CollectiveServicer_to_server
-from workers.backends.base import BackendOptions, ConfigBackends, backend_names, create_backend
+from execution.backends.base import BackendOptions, ConfigBackends, backend_names, create_backend
 from workers.collective_service import CollectiveService
 from workers.groups import Groups
-from workers.manager import ModelManager
+from execution.manager import ModelManager
 from workers.peers import Mailbox, PeerAccess, PeerLinks
 from workers.metrics import DeviceCollector, MetricsServer, WorkerModelCollector
 from workers.registration import Registration, start_registration
 from workers.registration import add_arguments as add_registration_arguments
-from workers.repository import ModelRepository
+from execution.repository import ModelRepository
 from workers.service import InferenceService
 
 logger = logging.getLogger(__name__)

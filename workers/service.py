@@ -1,6 +1,6 @@
 """The worker's ``inference.GRPCInferenceService``: the KServe v2 RPCs with
 Triton's extensions (model configuration, repository, statistics), on
-grpc.aio, over the :class:`~workers.manager.ModelManager`.
+grpc.aio, over the :class:`~execution.manager.ModelManager`.
 
 This module is the worker's one error edge: handlers raise
 ``protos.errors.InferGateError`` subclasses and :func:`_rpc` turns them into
@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from protos.errors import InferGateError, Internal, InvalidArgument, retry_metadata
+from protos.errors import retry_metadata
 from serverkit import tracing
-from workers.backends.run_errors import clean_message
+from execution.answers import as_error, load_arguments, model_metadata
 from workers.decoupled import serve_decoupled
-from workers.manager import ModelManager
+from execution.manager import ModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,6 @@ def _package_version() -> str:
         return importlib.metadata.version("infergate")
     except importlib.metadata.PackageNotFoundError:
         return "0.0.0"
-
-
-def as_error(exc: Exception, what: str) -> InferGateError:
-    if isinstance(exc, InferGateError):
-        return exc
-    logger.exception("unexpected error in %s", what)
-    cause = clean_message(str(exc).splitlines()[0] if str(exc) else "")
-    return Internal(f"{what} failed on the worker: {type(exc).__name__}{': ' + cause if cause else ''}")
 
 
 def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
@@ -140,21 +132,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: Any
     ) -> service_pb2.ModelMetadataResponse:
-        model = self.manager.get(request.name, request.version)
-        sig = model.signature
-        if request.version:
-            versions = [model.version_str]
-        else:
-            versions = sorted((m.version for m in self.manager.loaded() if m.name == model.name))
-            versions = [str(v) for v in versions]
-        # A backend model (Python) has no platform: Triton reports its backend there.
-        platform = model.config.platform or model.config.backend
-        response = service_pb2.ModelMetadataResponse(name=model.name, versions=versions, platform=platform)
-        for spec in sig.inputs.values():
-            response.inputs.add(name=spec.name, datatype=spec.datatype, shape=sig.full_shape(spec))
-        for spec in sig.outputs.values():
-            response.outputs.add(name=spec.name, datatype=spec.datatype, shape=sig.full_shape(spec))
-        return response
+        return model_metadata(self.manager, request.name, request.version)
 
     @_rpc
     async def ModelConfig(self, request: service_pb2.ModelConfigRequest, context: Any) -> service_pb2.ModelConfigResponse:
@@ -171,7 +149,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: service_pb2.ModelInferRequest, context: Any) -> service_pb2.ModelInferResponse:
-        # No await between the lookup and infer() counting itself in flight: see workers.model.
+        # No await between the lookup and infer() counting itself in flight: see execution.model.
         if tracing.tracer is None:  # tracing off: this one check
             return await self.manager.get(request.model_name, request.model_version).infer(request)
         # The compute span, a child of the caller's span when its traceparent says so.
@@ -248,18 +226,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: service_pb2.RepositoryModelLoadRequest, context: Any
     ) -> service_pb2.RepositoryModelLoadResponse:
-        config_json: str | None = None
-        files: dict[str, bytes] = {}
-        for key, param in request.parameters.items():
-            kind = param.WhichOneof("parameter_choice")
-            if key == "config":
-                if kind != "string_param":
-                    raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
-                config_json = param.string_param
-            elif key.startswith("file:"):
-                if kind != "bytes_param":
-                    raise InvalidArgument(f"load parameter '{key}' must carry the file's bytes")
-                files[key.removeprefix("file:")] = param.bytes_param
+        config_json, files = load_arguments(request.parameters)
         logger.info("load model %s%s", request.model_name, " with override" if config_json or files else "")
         await self.manager.load(request.model_name, config_json=config_json, files=files)
         return service_pb2.RepositoryModelLoadResponse()

@@ -18,6 +18,7 @@ COPY pyproject.toml README.md /src/
 COPY infergate /src/infergate
 COPY gateway /src/gateway
 COPY workers /src/workers
+COPY execution /src/execution
 COPY splitter /src/splitter
 COPY batchjobs /src/batchjobs
 COPY serverkit /src/serverkit

@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.assembly import build_batch_request
 from gateway.core.parts import GatewayParts
-from gateway.fleet.stream_call import EMPTY_FINAL, is_final
+from gateway.fleet.stream_call import EMPTY_FINAL, FINAL_RESPONSE, is_final
 from gateway.observability.streams import StreamStats
 from gateway.routing.streams import StreamRouting
 from gateway.types import InferRequest, InferResponse, Tensor
@@ -72,7 +72,22 @@ def _response(request: InferRequest, pb: service_pb2.ModelInferResponse, final: 
                        f"but {len(pb.raw_output_contents)} raw contents")
     outputs = [Tensor(o.name, o.datatype, tuple(o.shape), raw) for o, raw in zip(pb.outputs, pb.raw_output_contents)]
     return InferResponse(model=request.model, version=pb.model_version or request.version, id=request.id,
-                         outputs=outputs, final=final, arrived=arrived)
+                         outputs=outputs, parameters=_parameters(pb), final=final, arrived=arrived)
+
+
+def _models_parameters(pb: service_pb2.ModelInferResponse) -> bool:
+    return any(key != FINAL_RESPONSE for key in pb.parameters)
+
+
+def _parameters(pb: service_pb2.ModelInferResponse) -> dict[str, object]:
+    """The model's response parameters (a generative model's ``finish_reason`` and token counts);
+    the final flag is the response's ``final``, not a parameter."""
+    out: dict[str, object] = {}
+    for key, param in pb.parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        if key != FINAL_RESPONSE and which is not None:
+            out[key] = getattr(param, which)
+    return out
 
 
 class StreamPath:
@@ -102,8 +117,10 @@ class StreamPath:
             async with aclosing(self._routing.stream(model, version, pb, request.deadline)) as responses:
                 async for response, arrived in responses:
                     final = is_final(response)
-                    if final and not response.outputs and not want_empty_final:
-                        continue  # the end marker the gateway asked for, not the client
+                    if final and not response.outputs and not want_empty_final and not _models_parameters(response):
+                        # The end marker the gateway asked for, not the client; a final response
+                        # with parameters of the model's (a generation's counts) is the client's.
+                        continue
                     out = _response(request, response, final, arrived)
                     self.streams.response(model, version, arrived - started, sent)
                     sent += 1

@@ -11,12 +11,15 @@ client went away, the deadline passed) cancels the request on the worker.
 Errors: a gRPC failure of the call becomes the ``protos.errors`` class the
 worker client maps it to (``WorkerUnreachable`` for a lost worker); an
 in-stream ``error_message`` ends the request with :class:`ModelStreamError`,
-the worker's own words.
+the worker's own words, except a generation backend's refusal when its
+sequences or cache are full ("... is at capacity (N sequences); retry
+later"): ``WorkerBusy``, retried on another replica before the first response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -24,12 +27,15 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2
 
+from gateway.fleet.worker_client import WorkerBusy
 from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
 # How long a call whose final response came may take to close before it is cancelled.
 CLOSE_WAIT_S = 1.0
+# The generative contract's words for a worker whose generation capacity is full.
+_AT_CAPACITY = re.compile(r"is at capacity \(\d+ sequences?\); retry later")
 
 
 class ModelStreamError(Internal):
@@ -74,6 +80,8 @@ async def stream_responses(
                         f"worker {client.address} ended the stream of request '{request.id}' without a final response")
                 arrived = time.monotonic()
                 if message.error_message:
+                    if _AT_CAPACITY.search(message.error_message):
+                        raise WorkerBusy(message.error_message)
                     raise ModelStreamError(message.error_message)
                 response = message.infer_response
                 ended = is_final(response)

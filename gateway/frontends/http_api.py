@@ -14,7 +14,8 @@ Endpoints: ``/v2/health/live|ready``, ``/v2``, ``/v2/models/stats``,
 ``Inference-Header-Content-Length: 0``), Triton's generate extension
 ``/generate`` and ``/generate_stream`` (``gateway.frontends.http_generate``), and ``/v2/repository/index``,
 ``/v2/repository/models/{m}/load|unload``, and the shared-memory and logging extensions
-endpoints (``gateway.frontends.http_extensions``). The statistics endpoints take
+endpoints (``gateway.frontends.http_extensions``); and the OpenAI-compatible API
+under ``/v1/`` (``gateway.frontends.openai_api``). The statistics endpoints take
 ``?workers=true`` to add a ``workers`` section: each worker's own statistics
 (Triton's or our worker's) beside the gateway's; without it the body is
 exactly Triton's.
@@ -51,6 +52,8 @@ from gateway.frontends.http_json import (
     worker_statistics_json,
 )
 from gateway.frontends.http_parse_errors import SERVER_LOG
+from gateway.frontends.openai_api import add_openai_routes
+from gateway.frontends.openai_errors import OPENAI_PREFIX, guard
 from gateway.frontends.log_settings import LogSettings
 from gateway.frontends.raw_binary import decode_raw_request
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
@@ -132,12 +135,16 @@ def create_http_app(
         add.add_post(base + "/generate", generate.generate)
         add.add_post(base + "/generate_stream", generate.generate_stream)
     add_extension_routes(app, shm, logs if logs is not None else LogSettings(), tracing.settings)
+    add_openai_routes(app, core, api._read_body)
     return app
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place raised errors become responses (``gateway.frontends.http_errors``)."""
+    """The one place raised errors become responses (``gateway.frontends.http_errors``;
+    under ``/v1/`` in OpenAI's shape, ``gateway.frontends.openai_errors``)."""
+    if request.path.startswith(OPENAI_PREFIX):
+        return await guard(request, handler)
     try:
         return await handler(request)
     except InferGateError as exc:

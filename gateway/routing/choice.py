@@ -12,6 +12,11 @@ builds it and hands it to the router.
 slot, random among equals so idle replicas share light load; with more than
 a handful of candidates, the better of two random ones (power of two
 choices).
+
+:class:`LocalFirst` wraps another policy where the gateway runs models
+itself (``gateway.fleet.local_replica``): the in-process replica takes a
+batch while it has a free execution slot (no hop, no copy), the others take
+the rest by the wrapped policy.
 """
 
 from __future__ import annotations
@@ -62,3 +67,20 @@ class LeastLoaded:
         best = [w for w, n in zip(candidates, loads) if n == least]
         # Random among equals so idle replicas share light load.
         return best[0] if len(best) == 1 else self._rng.choice(best)
+
+
+class LocalFirst:
+    """The in-process replica while it has a free execution slot; ``inner``'s choice otherwise."""
+
+    def __init__(self, inner: ReplicaChooser, kind: str = "local") -> None:
+        self._inner = inner
+        self._kind = kind
+
+    def choose(
+        self, model: str, version: str, candidates: Sequence[WorkerState], avoid: Set[WorkerState],
+        bounds: InflightBounds,
+    ) -> WorkerState | None:
+        for w in candidates:
+            if w.kind == self._kind and w not in avoid and w.inflight < bounds.limits(w, model)[0]:
+                return w
+        return self._inner.choose(model, version, candidates, avoid, bounds)

@@ -22,7 +22,9 @@ import grpc
 from aiohttp import hdrs, web
 
 from gateway.frontends.http_errors import error_response
-from gateway.security.api_keys import Access, KeyStore
+from gateway.frontends.openai_api import MODEL_ACCESS
+from gateway.frontends.openai_errors import OPENAI_PREFIX, openai_error_response
+from gateway.security.api_keys import Access, ApiKey, KeyStore
 from protos.errors import InferGateError, Unauthenticated, retry_metadata
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,21 @@ def http_auth_middleware(store: KeyStore) -> Callable[[web.Request, _Handler], A
     @web.middleware
     async def auth_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
         access, model = http_access(request.path, request.match_info.get("model"))
+        secret = http_secret(request.headers.get(hdrs.AUTHORIZATION))
+        openai = request.path.startswith(OPENAI_PREFIX)
         try:
-            store.check(access, http_secret(request.headers.get(hdrs.AUTHORIZATION)), model)
+            if openai and store.api_keys_enabled:
+                # The model is in the body: who now, what and how often once the handler has read it.
+                request[MODEL_ACCESS] = _OpenAIAccess(store, store.authenticate(secret), secret,
+                                                      charge=request.method != "GET")
+            if not openai or request.method == "GET":
+                store.check(access, secret, model)
         except Unauthenticated as exc:
             log.debug("%s %s refused: %s", request.method, request.path, exc.message)
+            if openai:
+                response = openai_error_response(exc.http_status, exc.message)
+                response.headers.add(hdrs.WWW_AUTHENTICATE, _BEARER_CHALLENGE)
+                return response
             response = error_response(exc.http_status, exc.message)
             if access is Access.ADMIN:
                 response.headers.add(hdrs.WWW_AUTHENTICATE, _BASIC_CHALLENGE)
@@ -97,6 +110,25 @@ def http_auth_middleware(store: KeyStore) -> Callable[[web.Request, _Handler], A
         return await handler(request)
 
     return auth_middleware
+
+
+class _OpenAIAccess:
+    """What an authenticated key may do on the OpenAI API (``gateway.frontends.openai_api.ModelAccess``)."""
+
+    def __init__(self, store: KeyStore, key: ApiKey, secret: str | None, *, charge: bool) -> None:
+        self._store = store
+        self._key = key
+        self._secret = secret
+        self._charge = charge
+
+    def check(self, model: str) -> None:
+        if self._charge:
+            self._store.check(Access.MODEL, self._secret, model)
+        elif not self._key.may_use(model):
+            self._store.check(Access.MODEL, self._secret, model)  # raises PermissionDenied
+
+    def may_see(self, model: str) -> bool:
+        return self._key.may_use(model)
 
 
 # ---- gRPC ------------------------------------------------------------------------------

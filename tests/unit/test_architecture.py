@@ -1,5 +1,6 @@
 """The house's shape, read from the source with ``ast``: no import circles, the
-gateway and the worker never import each other, the offline packages import
+gateway and the worker never import each other (both may import the execution
+package below them, which imports neither), the offline packages import
 no server, inside the gateway imports run down its declared layers (the list
 in ``gateway/__init__.py``'s docstring), and no module outgrows one concept.
 
@@ -17,18 +18,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("infergate", "gateway", "workers", "splitter", "batchjobs", "serverkit", "protos", "loadtest", "models")
+PACKAGES = ("infergate", "gateway", "workers", "execution", "splitter", "batchjobs", "serverkit", "protos", "loadtest", "models")
 MAX_LINES = 450
 # Who may not import whom (importer package -> forbidden packages).
 FORBIDDEN = {
     "gateway": {"workers", "loadtest", "batchjobs"},
     "workers": {"gateway", "splitter", "loadtest", "batchjobs"},
-    "splitter": {"gateway", "workers", "loadtest", "batchjobs"},
-    "batchjobs": {"gateway", "workers", "splitter"},
-    "loadtest": {"gateway", "workers", "splitter", "batchjobs"},
-    "serverkit": {"gateway", "workers", "splitter", "loadtest", "batchjobs"},
-    "protos": {"gateway", "workers", "splitter", "loadtest", "batchjobs", "serverkit"},
-    "models": {"gateway", "workers", "splitter", "loadtest", "batchjobs"},
+    # Model execution sits below both servers: the worker serves it, the gateway
+    # may run it in-process; it imports neither.
+    "execution": {"gateway", "workers", "splitter", "loadtest", "batchjobs"},
+    "splitter": {"gateway", "workers", "execution", "loadtest", "batchjobs"},
+    "batchjobs": {"gateway", "workers", "execution", "splitter"},
+    "loadtest": {"gateway", "workers", "execution", "splitter", "batchjobs"},
+    "serverkit": {"gateway", "workers", "execution", "splitter", "loadtest", "batchjobs"},
+    "protos": {"gateway", "workers", "execution", "splitter", "loadtest", "batchjobs", "serverkit"},
+    "models": {"gateway", "workers", "execution", "splitter", "loadtest", "batchjobs"},
 }
 
 

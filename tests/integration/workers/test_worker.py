@@ -26,8 +26,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.harness import Proc, start_worker, worker_url
-from workers.backends.onnx import default_intra_op_threads
-from workers.devices import cpu_count
+from execution.backends.onnx import default_intra_op_threads
+from execution.devices import cpu_count
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -97,7 +97,7 @@ def test_explicit_mode_loads_only_named_models_and_stops_promptly(model_repo: Pa
                 "simple": "READY", "mlp": "", "cnn": "", "encoder": "", "identity_string": "", "string_to_int": "",
                 "preprocess": "", "postprocess": "", "classify": "",
                 "simple_sequence": "", "simple_dyna_sequence": "", "simple_string_dyna_sequence": "", "accumulate": "",
-                "accumulate_seeded": "", "square_int32": "", "repeat_int32": "",
+                "accumulate_seeded": "", "square_int32": "", "repeat_int32": "", "tiny_lm": "",
             }
             good_simple(client)
             with pytest.raises(InferenceServerException) as info:

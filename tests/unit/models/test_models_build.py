@@ -24,7 +24,8 @@ SEQUENCE_NAMES = [
     "simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "accumulate", "accumulate_seeded",
 ]  # see test_sequence_models.py
 PYTHON_NAMES = ["square_int32", "repeat_int32"]  # config.pbtxt + 1/model.py; see tests/unit/models/test_python_models.py
-EXPECTED_NAMES = ONNX_NAMES + ENSEMBLE_NAMES + SEQUENCE_NAMES + PYTHON_NAMES
+GENERATIVE_NAMES = ["tiny_lm"]  # backend "generate"; see tests/unit/models/test_decoder_model.py
+EXPECTED_NAMES = ONNX_NAMES + ENSEMBLE_NAMES + SEQUENCE_NAMES + PYTHON_NAMES + GENERATIVE_NAMES
 
 # name -> (max_batch_size, dynamic_batching, inputs, outputs); tensors as (name, type, dims).
 EXPECTED_CONFIGS: dict[str, tuple[int, bool, list[tuple[str, int, list[int]]], list[tuple[str, int, list[int]]]]] = {
@@ -84,7 +85,7 @@ def test_build_is_deterministic(repo: Path, tmp_path: Path) -> None:
     first = sorted(p.relative_to(repo) for p in repo.rglob("*") if p.is_file())
     second = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert first == second
-    assert len(first) == 2 * len(ONNX_NAMES) + len(ENSEMBLE_NAMES) + 2 * len(SEQUENCE_NAMES) + 1 + 2 * len(PYTHON_NAMES)  # + seed.bin
+    assert len(first) == 2 * len(ONNX_NAMES) + len(ENSEMBLE_NAMES) + 2 * len(SEQUENCE_NAMES) + 1 + 2 * len(PYTHON_NAMES) + 2 * len(GENERATIVE_NAMES)  # + seed.bin
     for rel in first:
         assert (repo / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
 

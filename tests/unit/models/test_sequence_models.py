@@ -9,7 +9,7 @@ import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
 from models.sequences import accumulate, simple_dyna_sequence, simple_sequence, simple_string_dyna_sequence
-from workers.sequences import server_filled_inputs
+from execution.sequences import server_filled_inputs
 
 
 def _run(model, feeds: dict[str, int | str]) -> int:

@@ -25,7 +25,8 @@ from workers.metrics import (
     WorkerModelCollector,
     render_text,
 )
-from workers.stats import ExecutionTiming, ModelStats
+from execution.backends.generate_scheduler import GenerationStats
+from execution.stats import ExecutionTiming, ModelStats
 
 
 class Families(Collector):
@@ -60,8 +61,9 @@ def test_render_text_keeps_triton_names_and_standard_suffixes() -> None:
     assert samples[("infergate_sizes_sum", frozenset({("m", "m1")}))] == 7
 
 
-def loaded(name: str, version: int, inflight: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(name=name, version=version, version_str=str(version), stats=ModelStats(), inflight=inflight)
+def loaded(name: str, version: int, inflight: int = 0, instances: tuple[object, ...] = ()) -> SimpleNamespace:
+    return SimpleNamespace(name=name, version=version, version_str=str(version), stats=ModelStats(), inflight=inflight,
+                           instances=list(instances))
 
 
 def test_worker_model_families_read_live_statistics() -> None:
@@ -84,6 +86,25 @@ def test_worker_model_families_read_live_statistics() -> None:
     assert samples[("nv_inference_pending_request_count", m)] == 2
     assert samples[("nv_inference_count_total", frozenset({("model", "mlp"), ("version", "3")}))] == 0
     assert samples[("infergate_worker_models_loaded", frozenset())] == 2
+    assert not any(name.startswith("infergate_generation_") for name, _ in samples)
+
+
+def test_generation_families_sum_a_model_s_schedulers() -> None:
+    def instance(running: int, waiting: int) -> SimpleNamespace:
+        stats = GenerationStats(running, waiting, cache_bytes=100 * running, reserved_cache_bytes=300 * running,
+                                tokens_generated=7, steps=3)
+        return SimpleNamespace(generation_stats=lambda: stats)
+
+    manager = SimpleNamespace(loaded=lambda: [loaded("tiny_lm", 1, instances=(instance(3, 1), instance(2, 0))),
+                                              loaded("mlp", 1, instances=(SimpleNamespace(),))])
+    samples = parse(render_text([WorkerModelCollector(manager)]).decode())  # type: ignore[arg-type]
+    m = frozenset({("model", "tiny_lm"), ("version", "1")})
+    assert samples[("infergate_generation_tokens_total", m)] == 14
+    assert samples[("infergate_generation_sequences_running", m)] == 5
+    assert samples[("infergate_generation_sequences_waiting", m)] == 1
+    assert samples[("infergate_generation_cache_bytes", m)] == 500
+    assert samples[("infergate_generation_cache_reserved_bytes", m)] == 1500
+    assert ("infergate_generation_tokens_total", frozenset({("model", "mlp"), ("version", "1")})) not in samples
 
 
 class FakeNvml(types.ModuleType):

@@ -15,9 +15,9 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2 as mc
 
 from protos.errors import InvalidArgument
-from workers.backends import sim
-from workers.backends.base import BackendOptions, Placement, create_backend
-from workers.repository import read_config
+from execution.backends import sim
+from execution.backends.base import BackendOptions, Placement, create_backend
+from execution.repository import read_config
 from workers.server import _backend_options, add_arguments
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "models"

@@ -1,0 +1,1 @@
+"""Execution backends: ONNX Runtime, the simulated accelerator and the Python backend."""

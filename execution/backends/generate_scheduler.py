@@ -1,0 +1,335 @@
+"""Continuous batching for one generation instance: which sequences run in
+each decoder step, and what each step's tokens mean for them.
+
+A request becomes a :class:`GenSequence` when :meth:`Scheduler.admit` takes
+it (or refuses it: the instance is at capacity). Its path: waiting -> one
+prefill step (its whole prompt; joiners of the same iteration are prefilled
+together, padded) -> running, one token per decode step shared by every
+running sequence -> finished (EOS: "stop"; a stop string: "stop"; its
+``max_tokens`` or the context: "length") or dropped (the client went away,
+seen at the next step). Sequences join and leave between steps only.
+
+Seams: :class:`StepFunction` runs one padded step over rows and returns each
+row's last logits and new cache (ONNX Runtime in ``generate``; a fake in the
+tests); ``offload`` runs it off the event loop (an executor; a direct call in
+the tests, so no real time passes). Everything else runs on the event loop
+thread, emit callbacks included.
+
+Each sequence keeps its own cache between steps (an opaque value from the
+step function); the step pads the rows' caches to the longest one with the
+attention mask. Per-sequence caches let a sequence join or leave without
+touching the others' arrays, and a row's numbers do not depend on its
+neighbours, so a greedy sequence decodes the same tokens batched or alone.
+
+Sampling (``choose_token``): temperature 0 is greedy; otherwise softmax at
+the temperature, cut to the ``top_p`` nucleus, drawn with the sequence's own
+``numpy`` Generator seeded from the request, so a seeded request gives the
+same tokens alone or batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from protos.errors import InferGateError, Internal, InvalidArgument, Overloaded, Unavailable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Offload = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_sequences: int  # admitted at once (running + waiting); one more is refused
+    max_cache_bytes: int  # KV cache the admitted sequences may reserve
+    cache_bytes_per_token: int  # what one position of one sequence's cache takes
+    max_positions: int  # the model's context: prompt + completion
+    max_batch_sequences: int = 0  # sequences in one step; 0 = max_sequences (1 = one at a time)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[bytes, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, capacity tests)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One sequence's part of a step: its new tokens after ``position`` cached ones."""
+
+    tokens: Sequence[int]
+    position: int
+    cache: object | None
+    capacity: int = 0  # positions the sequence may reach (prompt + max_tokens): what its cache may hold
+
+
+class StepFunction(Protocol):
+    def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
+        """Each row's logits after its last new token ([V]) and its cache grown by its new tokens."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """What a sequence tells its client: new bytes (one token's), or the end."""
+
+    data: bytes | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: InferGateError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    running: int
+    waiting: int
+    cache_bytes: int  # positions held in the running sequences' caches, in bytes
+    reserved_cache_bytes: int
+    tokens_generated: int
+    steps: int
+
+
+@dataclass(eq=False, slots=True)
+class GenSequence:
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[TokenOut], None]
+    cancelled: threading.Event
+    token_bytes: Callable[[int], bytes]
+    reserved_bytes: int
+    capacity: int  # positions: prompt + max_tokens, within the context
+    rng: np.random.Generator = field(init=False)
+    cache: object | None = None
+    length: int = 0  # positions in the cache
+    completion: int = 0  # tokens chosen
+    last_token: int = -1
+    text: bytearray = field(default_factory=bytearray)  # the completion's bytes, sent or held
+    held: collections.deque[bytes] = field(default_factory=collections.deque)  # chunks that may start a stop string
+    sent_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.params.seed)
+
+
+def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else a draw from the top-p nucleus of softmax(logits / temperature)."""
+    if params.temperature <= 0.0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(probs[order]), params.top_p)) + 1]
+        nucleus = np.zeros_like(probs)
+        nucleus[keep] = probs[keep]
+        probs = nucleus / nucleus.sum()
+    return int(rng.choice(probs.shape[0], p=probs))
+
+
+def _stop_prefix(text: bytes, stops: Sequence[bytes]) -> int:
+    """How many trailing bytes of ``text`` could be the start of a stop string (held back until known)."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class Scheduler:
+    """One instance's running batch: admission, the step loop, token choice and finishing."""
+
+    def __init__(self, model: str, limits: SchedulerLimits, step: StepFunction, offload: Offload[list[tuple[np.ndarray, object]]],
+                 *, eos_id: int, banned: Sequence[int] = ()) -> None:  # fmt: skip
+        self.model = model
+        self.limits = limits
+        self._step = step
+        self._offload = offload
+        self._eos_id = eos_id
+        self._banned = list(banned)
+        self._batch = limits.max_batch_sequences or limits.max_sequences
+        self._waiting: collections.deque[GenSequence] = collections.deque()
+        self._running: list[GenSequence] = []
+        self._reserved = 0
+        self._tokens = 0
+        self._steps = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- admission (event loop thread) -------------------------------------------
+
+    def admit(self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenOut], None],
+              cancelled: threading.Event, token_bytes: Callable[[int], bytes]) -> GenSequence | None:  # fmt: skip
+        """Queue one request, or refuse it: capacity (Overloaded, retryable) or a request that can never fit.
+
+        ``max_tokens`` 0 is answered at once (no step, nothing held): None."""
+        limits = self.limits
+        if self._closed:
+            raise Unavailable(f"model '{self.model}' is unloading")
+        if len(prompt) >= limits.max_positions:
+            raise InvalidArgument(f"prompt of {len(prompt)} tokens exceeds the context of model '{self.model}' "
+                                  f"({limits.max_positions} tokens)")
+        if params.max_tokens == 0:
+            emit(TokenOut(finish_reason="length", prompt_tokens=len(prompt), completion_tokens=0))
+            return None
+        capacity = min(len(prompt) + params.max_tokens, limits.max_positions)
+        reserved = capacity * limits.cache_bytes_per_token
+        if reserved > limits.max_cache_bytes:
+            raise InvalidArgument(f"prompt and max_tokens need more cache than model '{self.model}' has")
+        admitted = len(self._waiting) + len(self._running)
+        if admitted >= limits.max_sequences or self._reserved + reserved > limits.max_cache_bytes:
+            raise Overloaded(f"model '{self.model}' is at capacity ({admitted} sequences); retry later")
+        sequence = GenSequence(prompt, params, emit, cancelled, token_bytes, reserved, capacity)
+        self._reserved += reserved
+        self._waiting.append(sequence)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"generate-{self.model}")
+            self._task.add_done_callback(self._loop_ended)
+        self._wake.set()
+        return sequence
+
+    def stats(self) -> GenerationStats:
+        held = sum(s.length for s in self._running) * self.limits.cache_bytes_per_token
+        return GenerationStats(len(self._running), len(self._waiting), held, self._reserved, self._tokens, self._steps)
+
+    # --- the loop --------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            await self.run_once()
+
+    async def run_once(self) -> None:
+        """One iteration: drop cancelled sequences, prefill joiners, then one decode step for all running."""
+        self._drop_cancelled()
+        joining: list[GenSequence] = []
+        while self._waiting and len(self._running) + len(joining) < self._batch:
+            joining.append(self._waiting.popleft())
+        if joining:
+            rows = [StepRow(s.prompt, 0, None, s.capacity) for s in joining]
+            self._running.extend(joining)  # counted as running (and held) from their prefill on
+            await self._run_step(joining, rows)
+        decoding = [s for s in self._running if s not in joining]
+        if decoding:
+            await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache, s.capacity) for s in decoding])
+
+    async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow]) -> None:
+        step = self._step
+        try:
+            results = await self._offload(lambda: step(rows))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the step failed: its sequences end with an error, the others go on
+            logger.exception("model %s: a decoder step of %d sequences failed", self.model, len(sequences))
+            error = exc if isinstance(exc, InferGateError) else Internal(f"model '{self.model}' failed a decoder step")
+            for sequence in sequences:
+                self._finish(sequence, None, error)
+            return
+        self._steps += 1
+        for sequence, row, (logits, cache) in zip(sequences, rows, results):
+            if sequence.cancelled.is_set():
+                self._finish(sequence, None)
+                continue
+            sequence.cache, sequence.length = cache, row.position + len(row.tokens)
+            self._advance(sequence, logits)
+
+    def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:
+        """Choose the sequence's next token, send what may be sent, and end it when it is done."""
+        if self._banned:
+            logits[self._banned] = -np.inf  # the step's output, the scheduler's to change
+        if sequence.params.ignore_eos:
+            logits[self._eos_id] = -np.inf
+        token = choose_token(logits, sequence.params, sequence.rng)
+        sequence.completion += 1
+        sequence.last_token = token
+        self._tokens += 1
+        if token == self._eos_id:
+            self._flush(sequence, len(sequence.text))
+            self._finish(sequence, "stop")
+            return
+        chunk = sequence.token_bytes(token)
+        sequence.text += chunk
+        sequence.held.append(chunk)
+        stops = sequence.params.stop
+        if stops:
+            # Search only where a stop string could newly end: from just before what was sent.
+            start = max(0, sequence.sent_bytes - max(len(s) for s in stops) + 1)
+            found = [i for i in (sequence.text.find(s, start) for s in stops if s) if i >= 0]
+            if found:
+                self._flush(sequence, min(found), cut=True)
+                self._finish(sequence, "stop")
+                return
+        self._flush(sequence, len(sequence.text) - _stop_prefix(bytes(sequence.text), stops))
+        if sequence.completion >= sequence.params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
+            self._flush(sequence, len(sequence.text))
+            self._finish(sequence, "length")
+
+    @staticmethod
+    def _flush(sequence: GenSequence, upto: int, *, cut: bool = False) -> None:
+        """Send held chunks (one token's bytes each) up to byte ``upto`` of the completion; with ``cut``
+        the chunk that crosses ``upto`` goes out cut there (the sequence ends at a stop string)."""
+        while sequence.held and sequence.sent_bytes < upto:
+            chunk = sequence.held[0]
+            room = upto - sequence.sent_bytes
+            if len(chunk) > room:
+                if not cut:
+                    break
+                chunk = chunk[:room]
+            sequence.held.popleft()
+            sequence.sent_bytes += len(chunk)
+            sequence.emit(TokenOut(data=chunk))
+
+    def _finish(self, sequence: GenSequence, reason: str | None, error: InferGateError | None = None) -> None:
+        """Take the sequence out and tell its client how it ended (a cancelled one is told nothing)."""
+        if sequence in self._running:
+            self._running.remove(sequence)
+        elif sequence in self._waiting:
+            self._waiting.remove(sequence)
+        else:
+            return
+        self._reserved -= sequence.reserved_bytes
+        sequence.cache = None
+        if error is not None:
+            sequence.emit(TokenOut(error=error))
+        elif reason is not None:
+            sequence.emit(TokenOut(finish_reason=reason, prompt_tokens=len(sequence.prompt),
+                                   completion_tokens=sequence.completion))
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in (*self._waiting, *self._running) if s.cancelled.is_set()]:
+            logger.debug("model %s: a sequence was cancelled after %d tokens", self.model, sequence.completion)
+            self._finish(sequence, None)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("model %s: the generation loop died", self.model, exc_info=task.exception())
+        error = Unavailable(f"model '{self.model}' stopped generating")
+        for sequence in [*self._waiting, *self._running]:
+            self._finish(sequence, None, error)
+        self._task = None
+
+    def close(self) -> None:
+        """Stop the loop; every sequence still admitted ends with an error."""
+        self._closed = True
+        task = self._task
+        if task is not None:  # a model's close may come from a load thread: cancel on the loop's own thread
+            task.get_loop().call_soon_threadsafe(task.cancel)

@@ -1,0 +1,368 @@
+"""Body codec of the OpenAI-compatible API: request JSON -> what to generate, and
+results -> OpenAI's response, chunk and list shapes.
+
+A completion or chat request becomes a :class:`Generation`: its prompts (a
+chat's messages rendered by ``gateway.frontends.openai_text.render_chat``),
+``n`` choices per prompt, streaming or not, and the :class:`Sampling` every
+choice's request to the model carries. Each choice is one request to the
+model (:func:`model_request`), on the generative contract: inputs
+``text_input``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
+``stop`` where the model declares them (request parameters of the same
+names where it does not); choice ``i`` of a seeded request gets ``seed + i``.
+The model streams one token's bytes per response in ``text_output``; its
+final response's parameters carry ``finish_reason``, ``prompt_tokens`` and
+``completion_tokens``.
+
+Fields OpenAI defines that are not served here (log probabilities, tools,
+echo, suffix, penalties, logit bias) are refused by name, never ignored.
+
+May import: what ``gateway.frontends`` may import.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from gateway.frontends.openai_text import BadParameter, render_chat
+from gateway.types import InferRequest, InferResponse, Tensor
+from protos.codec import DATATYPES, deserialize_bytes_tensor, serialize_bytes_tensor
+
+Kind = Literal["completion", "chat"]
+EMPTY_FINAL = "triton_enable_empty_final_response"
+TEXT_OUTPUT = "text_output"
+MAX_N = 16
+MAX_STOPS = 4
+DEFAULT_MAX_TOKENS = 16
+# Fields of OpenAI's API that are refused when set to anything but their neutral value.
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What every choice's model request carries; None: the model's default."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # an extension (vLLM's too): run to max_tokens, for measurements
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A completion or chat request, decoded."""
+
+    kind: Kind
+    model: str
+    prompts: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    sampling: Sampling
+
+    def choices(self) -> list[tuple[int, str, int | None]]:
+        """(index, prompt, seed) of every choice: prompt by prompt, ``n`` each; seeds ``seed + i``."""
+        seed = self.sampling.seed
+        out = []
+        for p, prompt in enumerate(self.prompts):
+            for i in range(self.n):
+                out.append((p * self.n + i, prompt, None if seed is None else seed + i))
+        return out
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's result as it is gathered."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+# --- requests ----------------------------------------------------------------------------
+
+
+def _model(doc: Mapping[str, Any]) -> str:
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadParameter("'model' must be the name of a model (GET /v1/models lists them)", "model")
+    return model
+
+
+def _int(doc: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadParameter(f"'{key}' must be an integer from {low} to {high}; got {value!r}", key)
+    return value
+
+
+def _number(doc: Mapping[str, Any], key: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
+            or (low_open and value == low):
+        shown = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise BadParameter(f"'{key}' must be a number in {shown}; got {value!r}", key)
+    return float(value)
+
+
+def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
+    value = doc.get("stop")
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values) or len(values) > MAX_STOPS:
+        raise BadParameter(f"'stop' must be a string or a list of at most {MAX_STOPS} strings", "stop")
+    return tuple(v for v in values if v)
+
+
+def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
+    for key, neutral in _UNSUPPORTED.items():
+        if key in doc and doc[key] not in neutral:
+            raise BadParameter(f"'{key}' is not supported by this server", key)
+
+
+def _stream(doc: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = doc.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadParameter("'stream' must be true or false", "stream")
+    options = doc.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise BadParameter("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadParameter("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    return True, bool(options.get("include_usage", False))
+
+
+def _generation(doc: Mapping[str, Any], kind: Kind, prompts: tuple[str, ...], max_tokens: int | None) -> Generation:
+    _refuse_unsupported(doc)
+    n = _int(doc, "n", 1, MAX_N)
+    stream, include_usage = _stream(doc)
+    seed = _int(doc, "seed", 0, 2**63 - 1)
+    ignore_eos = doc.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadParameter("'ignore_eos' must be true or false", "ignore_eos")
+    sampling = Sampling(max_tokens=max_tokens, temperature=_number(doc, "temperature", 0.0, 2.0),
+                        top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True), seed=seed, stop=_stop(doc),
+                        ignore_eos=ignore_eos)
+    return Generation(kind, _model(doc), prompts, n or 1, stream, include_usage, sampling)
+
+
+def completion_request(doc: Mapping[str, Any]) -> Generation:
+    """``POST /v1/completions``: ``prompt`` a string or a list of strings."""
+    prompt = doc.get("prompt")
+    prompts = (prompt,) if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list | tuple) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadParameter("'prompt' must be a string or a non-empty list of strings (token ids are not "
+                           "supported)", "prompt")
+    max_tokens = _int(doc, "max_tokens", 1, 2**31 - 1)
+    return _generation(doc, "completion", tuple(prompts), max_tokens)
+
+
+def chat_request(doc: Mapping[str, Any]) -> Generation:
+    """``POST /v1/chat/completions``: ``messages`` rendered into one prompt."""
+    max_tokens = _int(doc, "max_completion_tokens", 1, 2**31 - 1)
+    if max_tokens is None:
+        max_tokens = _int(doc, "max_tokens", 1, 2**31 - 1)
+    return _generation(doc, "chat", (render_chat(doc.get("messages")),), max_tokens)
+
+
+def _tensor(name: str, datatype: str, values: np.ndarray, batched: bool) -> Tensor:
+    shape = (1, values.size) if batched else (values.size,)
+    data = serialize_bytes_tensor(values) if datatype == "BYTES" else values.tobytes()
+    return Tensor(name=name, datatype=datatype, shape=shape, data=data)
+
+
+def model_request(generation: Generation, prompt: str, seed: int | None, *, inputs: Mapping[str, str],
+                  batched: bool, request_id: str) -> InferRequest:
+    """One choice's request to the model, whose inputs are ``inputs`` (name -> datatype).
+
+    ``batched``: the model has a batch dimension (``max_batch_size > 0``).
+    """
+    if "text_input" not in inputs:
+        raise BadParameter(f"model '{generation.model}' is not a text generation model (it has no input "
+                           "'text_input')", "model")
+    s = generation.sampling
+    values: dict[str, Any] = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                              "seed": seed}
+    tensors = [_tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_), batched)]
+    parameters: dict[str, Any] = {EMPTY_FINAL: True}
+    if s.ignore_eos:
+        parameters["ignore_eos"] = True
+    for name, value in values.items():
+        if value is None:
+            continue
+        datatype = inputs.get(name)
+        if datatype is None or datatype == "BYTES":
+            parameters[name] = value
+            continue
+        tensors.append(_tensor(name, datatype, np.array([value], dtype=DATATYPES[datatype]), batched))
+    if s.stop:
+        if inputs.get("stop") == "BYTES":
+            tensors.append(_tensor("stop", "BYTES", np.array([v.encode("utf-8") for v in s.stop], dtype=np.object_),
+                                   batched))
+        else:
+            parameters["stop"] = s.stop[0]  # a parameter holds one string; the gateway matches them all
+    return InferRequest(model=generation.model, version="", id=request_id, inputs=tensors, outputs=[],
+                        parameters=parameters)
+
+
+# --- a model's responses -------------------------------------------------------------------
+
+
+def token_bytes(response: InferResponse) -> bytes:
+    """The bytes a streamed response carries in ``text_output`` (b"" when none)."""
+    for tensor in response.outputs:
+        if tensor.name == TEXT_OUTPUT:
+            if tensor.datatype != "BYTES":
+                return bytes(tensor.data)
+            return b"".join(bytes(v) for v in deserialize_bytes_tensor(bytes(tensor.data)).reshape(-1))
+    return b""
+
+
+def final_counts(response: InferResponse) -> tuple[str | None, int | None, int | None]:
+    """``finish_reason``, ``prompt_tokens``, ``completion_tokens`` of a final response (None: not sent)."""
+    params = response.parameters
+    reason = params.get("finish_reason")
+    prompt = params.get("prompt_tokens")
+    completion = params.get("completion_tokens")
+    return (reason if isinstance(reason, str) else None, prompt if isinstance(prompt, int) else None,
+            completion if isinstance(completion, int) else None)
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def response_id(kind: Kind) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def completion_json(g: Generation, rid: str, created: int, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
+    """The whole answer of a request that does not stream."""
+    if g.kind == "chat":
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                 "finish_reason": c.finish_reason} for c in choices]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": g.model, "choices": body,
+                "usage": usage.json()}
+    body = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
+    return {"id": rid, "object": "text_completion", "created": created, "model": g.model, "choices": body,
+            "usage": usage.json()}
+
+
+def chunk_json(g: Generation, rid: str, created: int, index: int, text: str | None,
+               finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``: new ``text``, or its end (``finish_reason``).
+
+    A chat's first chunk of a choice carries the assistant's role; its last an
+    empty delta. With ``include_usage`` every chunk has ``"usage": null``.
+    """
+    if g.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else \
+            ({"content": text} if text is not None else {})
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        doc = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": g.model,
+               "choices": [choice]}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        doc = {"id": rid, "object": "text_completion", "created": created, "model": g.model, "choices": [choice]}
+    if g.include_usage:
+        doc["usage"] = None
+    return doc
+
+
+def usage_chunk_json(g: Generation, rid: str, created: int, usage: Usage) -> dict[str, Any]:
+    """The chunk before ``[DONE]`` when ``stream_options.include_usage``: no choices, the usage."""
+    obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": g.model, "choices": [], "usage": usage.json()}
+
+
+def models_json(names: Sequence[str], created: int = 0) -> dict[str, Any]:
+    """``GET /v1/models``: OpenAI's list shape."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "infergate"}
+                                       for name in names]}
+
+
+# --- embeddings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    model: str
+    inputs: tuple[tuple[int, ...], ...]  # token ids of each input
+    base64: bool
+
+
+def embedding_request(doc: Mapping[str, Any]) -> EmbeddingRequest:
+    """``POST /v1/embeddings``: ``input`` a string, a list of strings, token ids or lists of them."""
+    model = _model(doc)
+    raw = doc.get("input")
+    items: list[Any] = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
+    if items and all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        items = [items]
+    inputs: list[tuple[int, ...]] = []
+    for item in items:
+        if isinstance(item, str):
+            inputs.append(tuple(item.encode("utf-8")))
+        elif isinstance(item, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item):
+            inputs.append(tuple(item))
+        else:
+            inputs = []
+            break
+    if not inputs or any(not ids for ids in inputs):
+        raise BadParameter("'input' must be a non-empty string, a list of them, or token ids", "input")
+    encoding = doc.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise BadParameter("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if doc.get("dimensions") is not None:
+        raise BadParameter("'dimensions' is not supported by this server", "dimensions")
+    return EmbeddingRequest(model, tuple(inputs), encoding == "base64")
+
+
+def mean_pool(hidden: Tensor) -> np.ndarray:
+    """HIDDEN [.., tokens, width] FP32 -> the mean over tokens, [width]."""
+    array = np.frombuffer(hidden.data, dtype=np.float32).reshape(hidden.shape)
+    return array.reshape(-1, array.shape[-1]).mean(axis=0, dtype=np.float32)
+
+
+def embeddings_json(request: EmbeddingRequest, vectors: Sequence[np.ndarray]) -> dict[str, Any]:
+    data = []
+    for index, vector in enumerate(vectors):
+        values: Any = (base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if request.base64
+                       else vector.astype(np.float32).tolist())
+        data.append({"object": "embedding", "index": index, "embedding": values})
+    tokens = sum(len(ids) for ids in request.inputs)
+    return {"object": "list", "data": data, "model": request.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,213 @@
+"""The OpenAI API's body codec without sockets: requests mapped onto the
+generative contract's inputs and parameters, the refusals naming their field,
+seeds per choice, and the response, chunk, usage, model-list and embedding
+shapes."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from gateway.frontends.openai_codec import (
+    EMPTY_FINAL,
+    Choice,
+    Usage,
+    chat_request,
+    chunk_json,
+    completion_json,
+    completion_request,
+    embedding_request,
+    embeddings_json,
+    final_counts,
+    mean_pool,
+    model_request,
+    models_json,
+    token_bytes,
+    usage_chunk_json,
+)
+from gateway.frontends.openai_text import BadParameter
+from gateway.types import InferResponse, Tensor
+from protos.codec import deserialize_bytes_tensor, serialize_bytes_tensor
+
+LM = {"text_input": "BYTES", "max_tokens": "INT32", "temperature": "FP32", "top_p": "FP32", "seed": "UINT64",
+      "stop": "BYTES"}
+
+
+def _inputs(request) -> dict[str, Tensor]:
+    return {t.name: t for t in request.inputs}
+
+
+def test_completion_maps_onto_the_models_inputs_with_the_empty_final_response_asked_for() -> None:
+    g = completion_request({"model": "lm", "prompt": "héllo", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+                            "seed": 7, "stop": ["a", "", "bc"]})
+    assert g.sampling.stop == ("a", "bc") and g.n == 1 and not g.stream
+    [(index, prompt, seed)] = g.choices()
+    request = model_request(g, prompt, seed, inputs=LM, batched=False, request_id="r-0")
+    tensors = _inputs(request)
+    assert request.model == "lm" and request.id == "r-0" and request.parameters == {EMPTY_FINAL: True}
+    assert deserialize_bytes_tensor(tensors["text_input"].data).tolist() == ["héllo".encode()]
+    assert tensors["text_input"].shape == (1,)
+    assert np.frombuffer(tensors["max_tokens"].data, np.int32).tolist() == [5]
+    assert np.frombuffer(tensors["temperature"].data, np.float32).tolist() == [0.5]
+    assert np.frombuffer(tensors["seed"].data, np.uint64).tolist() == [7]
+    assert deserialize_bytes_tensor(tensors["stop"].data).tolist() == [b"a", b"bc"]
+    assert tensors["stop"].shape == (2,)
+
+
+def test_unset_fields_are_left_to_the_model_and_missing_inputs_go_as_parameters() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "max_tokens": 3, "stop": "z"})
+    request = model_request(g, "x", None, inputs={"text_input": "BYTES"}, batched=True, request_id="r")
+    assert list(_inputs(request)) == ["text_input"] and request.inputs[0].shape == (1, 1)
+    assert request.parameters == {EMPTY_FINAL: True, "max_tokens": 3, "stop": "z"}
+
+
+def test_ignore_eos_goes_to_the_model_as_a_request_parameter() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "ignore_eos": True})
+    request = model_request(g, "x", None, inputs=LM, batched=False, request_id="r")
+    assert request.parameters == {EMPTY_FINAL: True, "ignore_eos": True}
+    with pytest.raises(BadParameter):
+        completion_request({"model": "lm", "prompt": "x", "ignore_eos": "yes"})
+
+
+def test_a_model_without_text_input_is_refused() -> None:
+    g = completion_request({"model": "simple", "prompt": "x"})
+    with pytest.raises(BadParameter, match="not a text generation model") as info:
+        model_request(g, "x", None, inputs={"INPUT0": "INT32"}, batched=True, request_id="r")
+    assert info.value.param == "model"
+
+
+def test_n_choices_per_prompt_with_seeds_counting_up() -> None:
+    g = completion_request({"model": "lm", "prompt": ["a", "b"], "n": 2, "seed": 10})
+    assert g.choices() == [(0, "a", 10), (1, "a", 11), (2, "b", 10), (3, "b", 11)]
+    assert completion_request({"model": "lm", "prompt": "a", "n": 3}).choices() == [(0, "a", None), (1, "a", None),
+                                                                                   (2, "a", None)]
+
+
+def test_chat_prefers_max_completion_tokens_and_renders_the_prompt() -> None:
+    g = chat_request({"model": "lm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                      "max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True}})
+    assert g.sampling.max_tokens == 9 and g.stream and g.include_usage
+    assert g.prompts == ("<|user|>\nhi\n<|assistant|>\n",)
+    assert chat_request({"model": "lm", "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 4}).sampling.max_tokens == 4
+
+
+@pytest.mark.parametrize("doc, param", [
+    ({"prompt": "x"}, "model"),
+    ({"model": "", "prompt": "x"}, "model"),
+    ({"model": "lm"}, "prompt"),
+    ({"model": "lm", "prompt": [1, 2]}, "prompt"),
+    ({"model": "lm", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "lm", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "lm", "prompt": "x", "n": 0}, "n"),
+    ({"model": "lm", "prompt": "x", "n": 17}, "n"),
+    ({"model": "lm", "prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"model": "lm", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "lm", "prompt": "x", "seed": -1}, "seed"),
+    ({"model": "lm", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "lm", "prompt": "x", "stop": 3}, "stop"),
+    ({"model": "lm", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "lm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "lm", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "lm", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "lm", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "lm", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_bad_or_unsupported_fields_are_refused_by_name(doc: dict, param: str) -> None:
+    with pytest.raises(BadParameter) as info:
+        completion_request(doc)
+    assert info.value.param == param and info.value.http_status == 400
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "logprobs": None, "echo": False, "best_of": 1,
+                            "presence_penalty": 0, "frequency_penalty": 0.0, "user": "me", "stream": False})
+    assert g.model == "lm"
+    chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}], "tools": [],
+                  "response_format": {"type": "text"}, "logprobs": False})
+
+
+def _response(parameters: dict, data: bytes | None = None, final: bool = False) -> InferResponse:
+    outputs = [] if data is None else [
+        Tensor("text_output", "BYTES", (1,), serialize_bytes_tensor(np.array([data], dtype=np.object_)))]
+    return InferResponse(model="lm", version="1", id="r", outputs=outputs, parameters=parameters, final=final)
+
+
+def test_token_bytes_and_final_counts_are_read_from_responses() -> None:
+    assert token_bytes(_response({}, b"\xc3")) == b"\xc3"
+    assert token_bytes(_response({}, None, final=True)) == b""
+    final = _response({"finish_reason": "length", "prompt_tokens": 6, "completion_tokens": 4}, None, True)
+    assert final_counts(final) == ("length", 6, 4)
+    assert final_counts(_response({"finish_reason": 3}, None, True)) == (None, None, None)
+
+
+def test_whole_answers_of_completion_and_chat() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "n": 2})
+    choices = [Choice(0, "ab", "stop"), Choice(1, "c", "length")]
+    body = completion_json(g, "cmpl-1", 100, choices, Usage(3, 4))
+    assert body == {"id": "cmpl-1", "object": "text_completion", "created": 100, "model": "lm",
+                    "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "stop"},
+                                {"index": 1, "text": "c", "logprobs": None, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+    chat = chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}]})
+    body = completion_json(chat, "chatcmpl-1", 100, choices[:1], Usage(3, 2))
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": None,
+                                "finish_reason": "stop"}]
+
+
+def test_chunks_of_chat_open_with_the_role_and_end_with_an_empty_delta() -> None:
+    g = chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                      "stream_options": {"include_usage": True}})
+    first = chunk_json(g, "c", 5, 1, "he", first=True)
+    assert first == {"id": "c", "object": "chat.completion.chunk", "created": 5, "model": "lm", "usage": None,
+                     "choices": [{"index": 1, "delta": {"role": "assistant", "content": "he"}, "logprobs": None,
+                                  "finish_reason": None}]}
+    assert chunk_json(g, "c", 5, 1, "y")["choices"][0]["delta"] == {"content": "y"}
+    last = chunk_json(g, "c", 5, 1, None, "stop")["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] == "stop"
+    assert usage_chunk_json(g, "c", 5, Usage(2, 3)) == {
+        "id": "c", "object": "chat.completion.chunk", "created": 5, "model": "lm", "choices": [],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+
+
+def test_chunks_of_completions_carry_text_and_no_usage_key_unless_asked() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "stream": True})
+    chunk = chunk_json(g, "c", 5, 0, "ab")
+    assert chunk == {"id": "c", "object": "text_completion", "created": 5, "model": "lm",
+                     "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}]}
+    assert chunk_json(g, "c", 5, 0, None, "length")["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                                                       "finish_reason": "length"}
+
+
+def test_model_list_shape() -> None:
+    assert models_json(["a", "b"]) == {"object": "list", "data": [
+        {"id": "a", "object": "model", "created": 0, "owned_by": "infergate"},
+        {"id": "b", "object": "model", "created": 0, "owned_by": "infergate"}]}
+
+
+def test_embedding_inputs_become_byte_ids_or_token_ids() -> None:
+    assert embedding_request({"model": "e", "input": "hé"}).inputs == ((104, 195, 169),)
+    assert embedding_request({"model": "e", "input": ["a", "bc"]}).inputs == ((97,), (98, 99))
+    assert embedding_request({"model": "e", "input": [5, 6]}).inputs == ((5, 6),)
+    assert embedding_request({"model": "e", "input": [[5], [6, 7]]}).inputs == ((5,), (6, 7))
+    assert embedding_request({"model": "e", "input": "x", "encoding_format": "base64"}).base64
+    for bad in ({"model": "e"}, {"model": "e", "input": ""}, {"model": "e", "input": [1.5]},
+                {"model": "e", "input": "x", "encoding_format": "hex"}, {"model": "e", "input": "x", "dimensions": 8}):
+        with pytest.raises(BadParameter):
+            embedding_request(bad)
+
+
+def test_embeddings_are_the_mean_over_tokens_as_floats_or_base64() -> None:
+    hidden = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    vector = mean_pool(Tensor("HIDDEN", "FP32", (1, 3, 4), hidden.tobytes()))
+    assert vector.tolist() == [4.0, 5.0, 6.0, 7.0]
+    request = embedding_request({"model": "e", "input": ["abc"]})
+    body = embeddings_json(request, [vector])
+    assert body == {"object": "list", "model": "e", "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                    "data": [{"object": "embedding", "index": 0, "embedding": [4.0, 5.0, 6.0, 7.0]}]}
+    request = embedding_request({"model": "e", "input": "abc", "encoding_format": "base64"})
+    encoded = embeddings_json(request, [vector])["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(encoded), "<f4").tolist() == [4.0, 5.0, 6.0, 7.0]

@@ -1,1 +1,0 @@
-"""Execution backends of the worker: ONNX Runtime and the simulated accelerator."""
