@@ -105,7 +105,7 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, switch: bool = True)
                         help="local execution: threads per ONNX Runtime session (0 = the worker's default)")
     parser.add_argument("--execution-threads", type=int, default=None,
                         help="local execution: executions at once, all models (0 = the worker's default)")
-    parser.add_argument("--cpu-sessions", choices=("shared", "per_instance"), default=None,
+    parser.add_argument("--cpu-sessions", choices=("adaptive", "shared", "per_instance"), default=None,
                         help="local execution: how ONNX Runtime sessions use the CPU (see docs/single-process.md)")
 
 
