@@ -155,3 +155,24 @@ def test_a_local_and_a_remote_replica_share_one_model(model_repo: Path) -> None:
             proc.stop()
     finally:
         worker.stop()
+
+
+def test_an_ensemble_runs_its_steps_on_the_local_replica(served: Proc) -> None:
+    """``classify`` (preprocess -> cnn -> postprocess): the gateway runs the steps, each a local model."""
+    images = np.random.default_rng(5).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    tensor = grpcclient.InferInput("IMAGE", list(images.shape), "UINT8")
+    tensor.set_data_from_numpy(images)
+    result = grpcclient.InferenceServerClient(grpc_url(served)).infer("classify", [tensor])
+    assert result.as_numpy("SCORES").shape == (2, 3) and result.as_numpy("CLASSES").shape == (2, 3)
+
+
+def test_up_local_runs_the_models_in_the_gateway_beside_its_workers(model_repo: Path) -> None:
+    proc = start(["up", "--local", "--workers", "1", "--model-repository", str(model_repo),
+                  "--http-port", "0", "--grpc-port", "0"])
+    try:
+        ready = {w["address"] for w in get_json(proc, "/v2/cluster")["workers"] if w["state"] == "ready"}
+        assert ready == {"local", proc.ready["workers"][0]["address"]}
+        ok = {"INPUT": np.zeros((1, 64), dtype=np.float32)}
+        assert grpcclient.InferenceServerClient(grpc_url(proc)).infer("mlp", grpc_inputs(ok)).as_numpy("OUTPUT").shape == (1, 10)
+    finally:
+        proc.stop()
