@@ -1,8 +1,10 @@
 """``infergate serve``: the gateway running the repository's models in its own
 process (a local replica), driven by the real tritonclient over HTTP and gRPC
 and checked against ONNX Runtime run directly on the same files; a bad
-request stays a 4xx; load and unload through the gateway; and a local replica
-beside a remote worker, both serving one model (seen in their statistics).
+request stays a 4xx; load and unload through the gateway; statistics and
+metrics; an ensemble and a stateful sequence; and a local replica beside a
+remote worker, both serving one model (seen in their statistics), through
+``serve --worker`` and ``up --local``.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ def test_statistics_come_from_the_local_replica(served: Proc) -> None:
     assert local["address"] == "local"
     (stats,) = local["model_stats"]
     assert int(stats["execution_count"]) >= 1
+    with urllib.request.urlopen(f"http://{http_url(served)}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert 'infergate_worker_state{state="READY",worker="local"} 1' in metrics.splitlines(), metrics[:2000]
 
 
 def test_a_local_and_a_remote_replica_share_one_model(model_repo: Path) -> None:
@@ -176,3 +181,18 @@ def test_up_local_runs_the_models_in_the_gateway_beside_its_workers(model_repo: 
         assert grpcclient.InferenceServerClient(grpc_url(proc)).infer("mlp", grpc_inputs(ok)).as_numpy("OUTPUT").shape == (1, 10)
     finally:
         proc.stop()
+
+
+def test_sequences_keep_their_state_on_the_local_replica(served: Proc) -> None:
+    """``accumulate`` (implicit state): two interleaved sequences, each its own running sum."""
+    client = grpcclient.InferenceServerClient(grpc_url(served))
+    sums = {"a": 0, 7: 0}
+    for step in range(4):
+        for k, seq in enumerate(sums):
+            value = 10 * (k + 1) + step
+            sums[seq] += value
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+            result = client.infer("accumulate", [tensor], sequence_id=seq, sequence_start=step == 0,
+                                  sequence_end=step == 3)
+            assert int(result.as_numpy("OUTPUT")[0][0]) == sums[seq], (seq, step)
