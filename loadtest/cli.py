@@ -2,7 +2,8 @@
 
 Parses the options into one :class:`BenchConfig`, runs ``run_bench``, prints
 the results table on stdout (progress goes to stderr) and writes the
-``--csv``/``--json``/``--plot`` files. Exit status: 0 when every level ran,
+``--csv``/``--json``/``--plot`` files. ``--streaming`` runs
+``loadtest.stream_runner`` instead and prints its own table. Exit status: 0 when every level ran,
 1 when requests failed at every level, 2 for a usage or setup problem, 130
 after Ctrl-C (the results measured so far are still printed and written).
 """
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="open loop: spacing of the sends")
     load.add_argument("-b", "--batch-size", type=int, default=1, help="rows per request")
     load.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
+    load.add_argument("--streaming", action="store_true",
+                      help="decoupled models: the concurrency is open streams (gRPC ModelStreamInfer, HTTP "
+                           "generate_stream); reports time to first response, time between responses, responses/s")
     load.add_argument("--max-outstanding", type=int, default=4096,
                       help="open loop: requests in flight per process before sends wait (the wait counts as latency)")
 
@@ -100,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         http_binary=args.http_binary, timeout_ms=args.timeout_ms,
         headers=tuple(parse_header(h) for h in args.headers),
         processes=args.processes, max_outstanding=args.max_outstanding, progress=progress,
+        streaming=args.streaming,
     )  # fmt: skip
 
 
@@ -112,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if config.streaming:
+            return _run_streaming(config, args)
         print(f"bench {config.model} at {config.url} over {config.protocol.value}, batch {config.batch_size}, "
               f"{config.mode.value} {', '.join(f'{v:g}' for v in config.levels)}, "
               f"{config.processes} client process(es)", file=sys.stderr)
@@ -122,6 +129,28 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     try:
         write_outputs(result, csv_path=args.csv, json_path=args.json, plot_path=args.plot)
+    except OSError as exc:
+        print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        return 130
+    if result.levels and all(lv.requests == 0 and lv.error_count > 0 for lv in result.levels):
+        return 1
+    return 0
+
+
+def _run_streaming(config: BenchConfig, args: argparse.Namespace) -> int:
+    from loadtest.stream_report import format_stream_table, write_stream_outputs
+    from loadtest.stream_runner import run_stream_bench
+
+    if args.plot:
+        raise BenchError("--plot is not available with --streaming; use --csv or --json")
+    print(f"bench {config.model} at {config.url} over {config.protocol.value}, streaming, "
+          f"streams {', '.join(str(c) for c in config.concurrency)}", file=sys.stderr)
+    result = run_stream_bench(config)
+    print(format_stream_table(result))
+    try:
+        write_stream_outputs(result, csv_path=args.csv, json_path=args.json)
     except OSError as exc:
         print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
         return 2

@@ -181,6 +181,11 @@ class GrpcBenchClient:
             return kind
         return None
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel, for the streaming client's calls to share."""
+        return self._channel
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -245,6 +250,11 @@ class HttpBenchClient:
             self._seen.add(kind)
             log.warning("first %s error from infer: %s", kind, detail)
         return kind
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The session, for the streaming client's requests to share."""
+        return self._session
 
     async def close(self) -> None:
         await self._session.close()

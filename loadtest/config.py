@@ -7,6 +7,8 @@ module can trust it. Option strings follow perf_analyzer's forms:
 ``--concurrency-range 1:16:2`` (additive) or ``1:64:x2`` (multiplicative),
 ``--shape NAME:d1,d2``, ``--int-range LO:HI``, ``-H KEY:VALUE``, and
 ``--warmup 2s`` / ``500ms`` / ``100`` (a bare integer counts requests).
+``streaming`` switches to decoupled models (``--streaming``): the levels are
+open streams, and only the closed loop in one process applies.
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ class BenchConfig:
     processes: int = 1
     max_outstanding: int = 4096  # open loop: requests in flight per process before sends wait
     progress: bool = False
+    # Decoupled models: one open stream per concurrency slot, every response read
+    # (gRPC ModelStreamInfer, or HTTP generate_stream).
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         # Accept plain strings from Python callers; store the enums.
@@ -208,6 +213,10 @@ class BenchConfig:
         for ok, message in checks:
             if not ok:
                 raise BenchError(message)
+        if self.streaming and self.request_rate:
+            raise BenchError("--streaming measures open streams: give --concurrency-range, not --request-rate-range")
+        if self.streaming and self.processes > 1:
+            raise BenchError("--streaming runs in one client process: drop --processes")
         host, sep, port = self.url.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise BenchError(f"-u {self.url!r}: expected HOST:PORT")

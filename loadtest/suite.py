@@ -12,7 +12,9 @@ stopped by it. Sections on this repository:
 - ``scale``: 1..32 simulated workers behind one gateway;
 - ``compute``: a compute-bound model through the gateway vs ONNX Runtime on every core;
 - ``ceiling``: a light model straight to the worker, through the gateway and
-  to a bare grpc.aio echo server (the Python ceiling), with CPU per request.
+  to a bare grpc.aio echo server (the Python ceiling), with CPU per request;
+- ``streaming``: a decoupled model's time to first response and time between
+  responses through the gateway vs straight to the worker, 1 and 16 streams.
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -44,6 +46,7 @@ from loadtest.suite_parallel import run_parallel, run_parallel_large
 from loadtest.suite_report import SectionResult, format_markdown, write_results
 from loadtest.suite_scale import run_scale, run_sim_check
 from loadtest.suite_sections import run_batching, run_overhead
+from loadtest.suite_streaming import run_streaming
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "compute": run_compute,
     "ceiling": run_ceiling,
     "parallel_large": run_parallel_large,
+    "streaming": run_streaming,
 }
 
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2
 
-from protos.errors import InferGateError, Internal, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
@@ -62,6 +62,7 @@ async def stream_responses(
     request.parameters[EMPTY_FINAL].bool_param = True
     call = client.stream_call(timeout_s)
     ended = False
+    received = 0
     try:
         try:
             await call.write(request)
@@ -76,10 +77,15 @@ async def stream_responses(
                     raise ModelStreamError(message.error_message)
                 response = message.infer_response
                 ended = is_final(response)
+                received += 1
                 yield response, arrived
                 if ended:
                     return
         except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # gRPC's own words here are "Stream removed"
+                raise DeadlineExceeded(
+                    f"deadline exceeded while request '{request.id}' of model '{request.model_name}' was "
+                    f"streaming from worker {client.address}, after {received} response(s)") from None
             raise client.map_error(e) from None
         except grpc.aio.UsageError as e:  # the channel was closed under the call
             raise Unavailable(f"worker {client.address}: {e}") from None

@@ -73,8 +73,9 @@ class Stream:
         ))
 
     def send(self, model: str, inputs: list[grpcclient.InferInput], request_id: str, *,
-             empty_final: bool = False) -> None:
-        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=empty_final)
+             empty_final: bool = False, timeout_us: int | None = None) -> None:
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=empty_final,
+                                       timeout=timeout_us)
 
     def wait_for(self, condition: Callable[[list[Received]], bool], timeout_s: float = WAIT_S) -> list[Received]:
         """Take responses until ``condition(got)`` holds."""

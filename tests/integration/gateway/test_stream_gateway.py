@@ -151,6 +151,18 @@ def test_an_in_stream_error_ends_its_request_and_the_stream_goes_on(cluster: Clu
     assert [r.values for r in stream.of("good")] == [[2], [2], None]
 
 
+def test_a_request_timeout_ends_its_stream_in_words_that_say_so(cluster: Cluster) -> None:
+    stream = Stream(cluster.grpc_url)
+    # Each value waits 2 s; the request's own timeout (Triton's `timeout` parameter) is 0.3 s.
+    stream.send("repeat_int32", repeat_inputs([1, 2, 3], delay_ms=2000), "slow", timeout_us=300_000)
+    stream.send("square_int32", square_inputs(1), "quick", empty_final=True)
+    got = stream.wait_for(lambda got: any(r.error for r in got) and len([r for r in got if r.id == "quick"]) == 2)
+    errors = [r.error for r in got if r.error]
+    assert len(errors) == 1 and "deadline exceeded" in errors[0] and "'slow'" in errors[0], errors
+    assert "Stream removed" not in errors[0]
+    stream.finish(cancel=True)
+
+
 def test_a_unary_call_to_a_decoupled_model_is_refused_in_tritons_words(cluster: Cluster) -> None:
     client = grpcclient.InferenceServerClient(cluster.grpc_url)
     try:
