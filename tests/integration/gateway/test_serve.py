@@ -2,7 +2,8 @@
 process (a local replica), driven by the real tritonclient over HTTP and gRPC
 and checked against ONNX Runtime run directly on the same files; a bad
 request stays a 4xx; load and unload through the gateway; statistics and
-metrics; an ensemble and a stateful sequence; and a local replica beside a
+metrics; an ensemble, a stateful sequence and a decoupled model's stream;
+and a local replica beside a
 remote worker, both serving one model (seen in their statistics), through
 ``serve --worker`` and ``up --local``.
 """
@@ -33,6 +34,7 @@ from tests.integration.gateway.e2e_cluster import (
     make_inputs,
     onnx_references,
 )
+from tests.integration.gateway.stream_clients import Stream, repeat_inputs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -196,3 +198,17 @@ def test_sequences_keep_their_state_on_the_local_replica(served: Proc) -> None:
             result = client.infer("accumulate", [tensor], sequence_id=seq, sequence_start=step == 0,
                                   sequence_end=step == 3)
             assert int(result.as_numpy("OUTPUT")[0][0]) == sums[seq], (seq, step)
+
+
+def test_a_decoupled_model_streams_from_the_local_replica(served: Proc) -> None:
+    """repeat_int32 through serve's gRPC stream: each response as the model sends it, then the final one."""
+    stream = Stream(grpc_url(served))
+    stream.send("repeat_int32", repeat_inputs([5, 6, 7], delay_ms=10), "r", empty_final=True)
+    stream.send("repeat_int32", repeat_inputs([1, 2], delay_ms=[0]), "bad", empty_final=True)  # DELAY too short
+    got = stream.finish()
+    mine = stream.of("r")
+    assert [r.values[0] for r in mine[:-1] if r.values] == [5, 6, 7], got
+    assert [r.final for r in mine] == [False, False, False, True]
+    assert any(r.error for r in got), got  # the model's refusal, in-stream as a worker reports it
+    (local,) = get_json(served, "/v2/models/repeat_int32/stats?workers=true")["workers"]
+    assert local["address"] == "local"
