@@ -12,6 +12,8 @@ Layouts (``--backend-option cpu_sessions=...`` and the thread flags):
 * ``shared``: one session per model version using every core, and as many
   concurrent ``Run`` calls on it as cores (ONNX Runtime's ``Run`` is
   thread-safe; the calls share the session's pool);
+* ``adaptive``: ``per_instance``'s sessions, plus one per model version
+  using every core that a run takes when no other runs;
 * ``one_wide``: one session using every core, one call at a time.
 
 Every worker is started before the first level and the layouts take turns
@@ -45,6 +47,7 @@ CORES = os.cpu_count() or 1
 LAYOUTS: dict[str, list[str]] = {
     "per_instance": ["--backend-option", "cpu_sessions=per_instance"],
     "shared": ["--backend-option", "cpu_sessions=shared"],
+    "adaptive": ["--backend-option", "cpu_sessions=adaptive"],
     "one_wide": ["--backend-option", "cpu_sessions=per_instance", "--intra-op-threads", str(CORES),
                  "--execution-threads", "1"],
 }

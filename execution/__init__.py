@@ -7,7 +7,8 @@ simulated accelerator, Triton Python-backend ``model.py`` files);
 ``manager`` loads, reloads and unloads model versions; ``model`` is one
 loaded version (its instances, drain count and request pipeline);
 ``tensors`` checks, decodes and encodes a request against a model's
-signature; ``sequences`` holds stateful models' sequences; ``warmup`` runs
+signature; ``decoupled`` turns a decoupled model's responses into
+``ModelStreamInferResponse`` messages as they come; ``sequences`` holds stateful models' sequences; ``warmup`` runs
 ``model_warmup``; ``stats`` counts Triton's statistics; ``devices`` says
 which accelerators exist.
 

@@ -105,7 +105,7 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, switch: bool = True)
                         help="local execution: threads per ONNX Runtime session (0 = the worker's default)")
     parser.add_argument("--execution-threads", type=int, default=None,
                         help="local execution: executions at once, all models (0 = the worker's default)")
-    parser.add_argument("--cpu-sessions", choices=("shared", "per_instance"), default=None,
+    parser.add_argument("--cpu-sessions", choices=("adaptive", "shared", "per_instance"), default=None,
                         help="local execution: how ONNX Runtime sessions use the CPU (see docs/single-process.md)")
 
 
@@ -310,6 +310,7 @@ async def serve_in_group(spec: ProcessSpec) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    name = f"infergate {getattr(args, 'command', None) or 'gateway'}"  # `gateway` or `serve`
     try:
         if args.process_spec:
             spec = ProcessSpec.read(args.process_spec)
@@ -321,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         if config.local.enabled and args.processes != 1:
             raise ConfigError("local execution runs in one gateway process: drop --processes")
     except ConfigError as e:
-        print(f"infergate gateway: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
     if not config.workers and not args.process_spec and not config.local.enabled:
         log.warning("no workers configured: the gateway serves no model until workers are added")
@@ -335,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             asyncio.run(serve(config, args.ready_file))
     except ConfigError as e:  # found while starting, e.g. a logical model that cannot be split
-        print(f"infergate gateway: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a gateway process that did not start
-        print(f"infergate gateway: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 from tritonclient.grpc import model_config_pb2
@@ -66,8 +67,9 @@ from gateway.routing.sequences import SequenceRoutes
 from gateway.routing.streams import StreamRouting
 from gateway.security.setup import worker_client_factory, worker_token
 from gateway.fleet.worker_client import WorkerClient
-from gateway.settings import GatewayConfig, WorkerSpec
+from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, InferResponse
+from protos.errors import InferGateError
 
 # (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
 TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSettings]
@@ -168,7 +170,12 @@ def build_local(config: GatewayConfig) -> LocalReplica | None:
     """The local replica of ``local.enabled``: the repository's models, loaded when the app starts it."""
     if not config.local.enabled:
         return None
-    return LocalReplica(LocalOptions.from_settings(config.model_repository, config.local, config.shutdown_grace_s))
+    if not Path(config.model_repository).is_dir():
+        raise ConfigError(f"local execution: model repository {config.model_repository} is not a directory")
+    try:
+        return LocalReplica(LocalOptions.from_settings(config.model_repository, config.local, config.shutdown_grace_s))
+    except InferGateError as e:  # e.g. local.device cuda without a usable GPU
+        raise ConfigError(f"local execution: {e.message}") from None
 
 
 def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:

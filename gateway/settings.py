@@ -22,7 +22,7 @@ MODEL_CONTROL_MODES = ("none", "explicit")
 WORKER_CALLS = ("unary", "stream")
 LOCAL_DEVICES = ("auto", "cpu", "cuda")
 # How a local replica's ONNX Runtime sessions use the CPU (execution.backends.onnx).
-CPU_SESSIONS = ("shared", "per_instance")
+CPU_SESSIONS = ("adaptive", "shared", "per_instance")
 # Keys of a `models.<name>` entry that declare a logical (split) model rather
 # than batching settings; see gateway/parallel/serving.py.
 PARALLEL_KEYS = ("from", "path", "version", "tensor_parallel", "pipeline_parallel", "replicas", "max_inflight",

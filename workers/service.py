@@ -9,7 +9,7 @@ Anything else is logged with its traceback and answered with an INTERNAL
 naming the exception (its message cleaned of paths). It also counts the
 requests in progress (a decoupled model's until its final response) so
 shutdown can wait for them before cancelling idle streams. A decoupled
-model's request on ``ModelStreamInfer`` is served by ``workers.decoupled``;
+model's request on ``ModelStreamInfer`` is served by ``execution.decoupled``;
 ``ModelInfer`` refuses it (UNIMPLEMENTED, Triton's words).
 """
 
@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from protos.errors import retry_metadata
 from serverkit import tracing
 from execution.answers import as_error, load_arguments, model_metadata
-from workers.decoupled import serve_decoupled
+from execution.decoupled import serve_decoupled
 from execution.manager import ModelManager
 
 logger = logging.getLogger(__name__)

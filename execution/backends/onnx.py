@@ -4,7 +4,10 @@ Each model instance is one ``InferenceSession``. ``session.run`` releases the
 GIL, so executions run on one bounded thread pool shared by every model of the
 process: its size times the intra-op threads of a session stays within the
 cores, so concurrent executions never oversubscribe the CPU. The event loop
-only awaits the pool.
+only awaits the pool. On the CPU (``cpu_sessions``, default ``adaptive``) a
+model version also holds one session on every core, which a run takes when
+no other runs: a lone request gets every core, concurrent ones their
+instances' narrower sessions side by side.
 
 Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
 provider *and* the CUDA driver reports a device (see ``execution.devices``);
@@ -55,7 +58,9 @@ DEFAULT_MODEL_FILENAME = "model.onnx"
 # Triton's default for auto-completed batchable models (its `default-max-batch-size`).
 DEFAULT_MAX_BATCH_SIZE = 4
 # How CPU instances hold sessions (``--backend-option cpu_sessions=...``); see default_intra_op_threads.
-DEFAULT_CPU_SESSIONS = "per_instance"
+# Adaptive: a lone request on every core, concurrent ones side by side (bench/results.md, "ONNX Runtime
+# sessions on the CPU": on 2 cores, cnn_large's p50 at one client 0.57x per_instance's, req/s at 64 clients 1.00x).
+DEFAULT_CPU_SESSIONS = "adaptive"
 # ONNX Runtime's own console logger writes a coloured line to stderr for every request it refuses;
 # its message reaches the client and our log (run_errors) instead. At --log-level debug it speaks again.
 _ORT_QUIET, _ORT_WARNINGS = 4, 2  # ONNX Runtime's severities: fatal only; warnings and up
@@ -82,10 +87,10 @@ _CONFIG_TYPES: dict[int, int] = {
 }
 
 
-CPU_SESSIONS = ("shared", "per_instance")
+CPU_SESSIONS = ("shared", "per_instance", "adaptive")
 
 
-def default_intra_op_threads(cores: int, device: str, cpu_sessions: str = "per_instance") -> int:
+def default_intra_op_threads(cores: int, device: str, cpu_sessions: str = DEFAULT_CPU_SESSIONS) -> int:
     """Threads of one session's pool. One on CUDA, where the CPU only feeds the device.
 
     ``shared`` (one session per model version on the CPU, its instances
@@ -93,7 +98,9 @@ def default_intra_op_threads(cores: int, device: str, cpu_sessions: str = "per_i
     all and concurrent ones share one pool. ``per_instance`` (a session per
     instance): a quarter of the cores, a few executions side by side with a
     few threads each (one instance per execution thread, ``cpu_instances``,
-    so a model alone still uses every core)."""
+    so a model alone still uses every core). ``adaptive``: the instances as
+    ``per_instance``, plus one session per model version on every core that a
+    run takes when nothing else runs (see :class:`OnnxInstance`)."""
     if device == "cuda":
         return 1
     return max(1, cores) if cpu_sessions == "shared" else max(1, cores // 4)
@@ -109,24 +116,47 @@ class _Session:
         self.session = session
 
 
+class _Activity:
+    """Runs in progress across the backend's models (event loop thread only)."""
+
+    __slots__ = ("running",)
+
+    def __init__(self) -> None:
+        self.running = 0
+
+
 class OnnxInstance:
     """One execution instance: runs of its ONNX Runtime session (its own, or one
-    its model version's CPU instances share) on the backend's thread pool."""
+    its model version's CPU instances share) on the backend's thread pool.
 
-    def __init__(self, session: _Session, placement: Placement, executor: ThreadPoolExecutor, model: str = "") -> None:
+    With a ``wide`` session (``adaptive``), a run that starts while no other
+    runs in the backend takes the wide one, on every core; one that starts
+    beside others takes the instance's own, narrow session, so under load the
+    runs sit side by side on a core or few each."""
+
+    def __init__(self, session: _Session, placement: Placement, executor: ThreadPoolExecutor, model: str = "",
+                 *, wide: _Session | None = None, activity: _Activity | None = None) -> None:
         self.placement = placement
-        self._held: _Session | None = session
+        self._held: tuple[_Session | None, ...] | None = (session, wide)
         self._session: ort.InferenceSession | None = session.session
+        self._wide: ort.InferenceSession | None = wide.session if wide is not None else None
+        self._activity = activity or _Activity()
         self._executor = executor
         self._model = model
 
     async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names))
+        activity = self._activity
+        session = self._wide if self._wide is not None and activity.running == 0 else self._session
+        activity.running += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names), session)
+        finally:
+            activity.running -= 1
 
-    def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        session = self._session
-        if session is None:  # closed by a forced unload while this call was queued
+    def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str],
+             session: ort.InferenceSession | None) -> dict[str, np.ndarray]:  # fmt: skip
+        if session is None or self._session is None:  # closed by a forced unload while this call was queued
             raise InvalidArgument("model instance was unloaded")
         feeds = {name: _text_feed(array, name, self._model) for name, array in inputs.items()}
         try:
@@ -138,7 +168,7 @@ class OnnxInstance:
     def close(self) -> None:
         # A run already on a thread holds its own reference, so the session's
         # memory goes when that run returns; nothing new can start on it.
-        self._session = None
+        self._session = self._wide = None
         self._held = None
 
 
@@ -162,6 +192,9 @@ class OnnxBackend:
         if self.cpu_sessions not in CPU_SESSIONS:
             raise InvalidArgument(f"--backend-option cpu_sessions={self.cpu_sessions}: expected one of {', '.join(CPU_SESSIONS)}")
         shared = self.cpu_sessions == "shared" and self.device == "cpu"
+        self._adaptive = self.cpu_sessions == "adaptive" and self.device == "cpu"
+        self._wide_threads = max(1, cores)
+        self._activity = _Activity()
         self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device, self.cpu_sessions)
         # Shared: as many Run calls at once as cores, all on the one pool of each session
         # (ONNX Runtime's Run is thread-safe); a lone call gets every core.
@@ -185,6 +218,7 @@ class OnnxBackend:
             f"providers: {', '.join(self.providers)}{gpus}; "
             f"{self.execution_threads} execution threads x {self.intra_op_threads} intra-op threads"
             + ("; CPU instances of a model version share one session" if self._shared else "")
+            + (f"; a lone run takes a session of {self._wide_threads} threads" if self._adaptive else "")
         )
 
     # --- config -----------------------------------------------------------
@@ -231,21 +265,26 @@ class OnnxBackend:
         path = version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
         if not path.is_file():
             raise InvalidArgument(f"model file {path.name} not found in version {version_dir.name}")
-        if not (self._shared and placement.kind == "cpu"):
+        if placement.kind != "cpu" or not (self._shared or self._adaptive):
             return OnnxInstance(_Session(self._create_session(path, version_dir, config, placement)), placement,
                                 self._executor, model=config.name)
+        # One session per model version (and placement) on every core: all its instances' (shared), or a lone run's (adaptive).
         stat = path.stat()
         key = (str(path), str(placement), stat.st_mtime_ns, stat.st_size, config.SerializeToString(deterministic=True))
-        shared = self._sessions.get(key)
-        if shared is None:
-            shared = _Session(self._create_session(path, version_dir, config, placement))
-            self._sessions[key] = shared
-        return OnnxInstance(shared, placement, self._executor, model=config.name)
+        wide = self._sessions.get(key)
+        if wide is None:
+            threads = self.intra_op_threads if self._shared else self._wide_threads
+            wide = _Session(self._create_session(path, version_dir, config, placement, threads))
+            self._sessions[key] = wide
+        if self._shared:
+            return OnnxInstance(wide, placement, self._executor, model=config.name)
+        own = _Session(self._create_session(path, version_dir, config, placement))
+        return OnnxInstance(own, placement, self._executor, model=config.name, wide=wide, activity=self._activity)
 
     def _create_session(self, path: Path, version_dir: Path, config: mc.ModelConfig,
-                        placement: Placement) -> ort.InferenceSession:  # fmt: skip
+                        placement: Placement, threads: int = 0) -> ort.InferenceSession:  # fmt: skip
         options = ort.SessionOptions()
-        options.intra_op_num_threads = self.intra_op_threads
+        options.intra_op_num_threads = threads or self.intra_op_threads
         options.inter_op_num_threads = 1
         options.log_severity_level = self.ort_log_severity
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

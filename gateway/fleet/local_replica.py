@@ -17,10 +17,9 @@ class (a request's fault stays a 4xx); anything else becomes an INTERNAL
 naming it. A model that crashes the process takes the gateway down with it:
 the documented price of running in-process.
 
-Not served locally: decoupled models (their streams go to remote workers)
-and collective groups (split models run on workers). Such a model is left
-out of the local index and refused on load, so its traffic goes to the
-workers that serve it.
+A decoupled model streams in-process too: ``stream_call`` gives the call
+object the streaming path drives (``gateway.fleet.local_stream``). Not
+served locally: collective groups (split models run on workers).
 """
 
 from __future__ import annotations
@@ -34,15 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from execution.answers import as_error, load_arguments, model_metadata
 from execution.backends.base import BackendOptions, ConfigBackends, create_backend
 from execution.manager import ModelManager
-from execution.repository import ModelRepository, read_config
+from execution.repository import ModelRepository
+from gateway.fleet.local_stream import LocalStreamCall
 from gateway.settings import LocalSettings, WorkerSpec
 from protos import wire
-from protos.errors import DeadlineExceeded, InferGateError, Unavailable, Unsupported
+from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,6 @@ class LocalReplica:
                                     config_backends=self._config_backends)
         self._closed = False
         self._started = False
-        self._remote: set[str] = set()  # the repository's models left to workers (decoupled)
 
     def __repr__(self) -> str:
         return f"LocalReplica({str(self._options.repository)!r})"
@@ -107,21 +107,9 @@ class LocalReplica:
         if self._started:
             return
         self._started = True
-        self._remote = {name for name in self.manager.repository.names() if self._decoupled_on_disk(name)}
-        names = [name for name in self.manager.repository.names() if name not in self._remote]
+        names = self.manager.repository.names()
         log.info("local execution: %s; loading %d model(s) from %s", self.describe(), len(names), self._options.repository)
         await self.manager.load_all(names)
-
-    def _decoupled_on_disk(self, name: str) -> bool:
-        model_dir = self.manager.repository.model_dir(name)
-        try:
-            config = read_config(model_dir, name) if model_dir is not None else None
-        except InferGateError:
-            return False  # its load fails and says why
-        if config is not None and _remote_only(config):
-            log.info("local execution: model %s is decoupled; its streams go to workers", name)
-            return True
-        return False
 
     # ---- the worker client's interface -------------------------------------------
 
@@ -152,6 +140,15 @@ class LocalReplica:
         except Exception as exc:
             raise as_error(exc, "ModelInfer", _WHERE) from None
 
+    def stream_call(self, timeout_s: float | None) -> LocalStreamCall:
+        """One streamed request of a decoupled model, run in-process (``gateway.fleet.stream_call`` drives it)."""
+        self._check_open()
+        return LocalStreamCall(self.manager, timeout_s, _WHERE)
+
+    def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
+        """Never called for in-process calls (no gRPC status); here for the streaming client's interface."""
+        return Internal(f"{_WHERE}: {e.details() or e.code().name}")
+
     async def server_live(self, timeout_s: float | None = None) -> bool:
         return not self._closed
 
@@ -180,20 +177,14 @@ class LocalReplica:
     async def repository_index(self, ready: bool = False, timeout_s: float | None = None
                                ) -> list[service_pb2.RepositoryIndexResponse.ModelIndex]:  # fmt: skip
         self._check_open()
-        entries = await self.manager.index(ready)
-        return [e for e in entries if e.name not in self._remote]
+        return await self.manager.index(ready)
 
     async def load(self, name: str, parameters: Mapping[str, service_pb2.ModelRepositoryParameter] | None = None,
                    timeout_s: float | None = None) -> None:  # fmt: skip
         self._check_open()
         try:
             config_json, files = load_arguments(parameters or {})
-            if not config_json and not files and self._decoupled_on_disk(name):
-                raise Unsupported(f"model '{name}' is decoupled: the gateway's local replica does not serve streams")
             await self.manager.load(name, config_json=config_json, files=files)
-            if any(_remote_only(m.config) for m in self.manager.loaded() if m.name == name):
-                await self.manager.unload(name)
-                raise Unsupported(f"model '{name}' is decoupled: the gateway's local replica does not serve streams")
         except Exception as exc:
             raise as_error(exc, "RepositoryModelLoad", _WHERE) from None
 
@@ -235,7 +226,3 @@ class LocalReplica:
         except Exception as exc:
             raise as_error(exc, "a model query", _WHERE) from None
 
-
-def _remote_only(config: model_config_pb2.ModelConfig) -> bool:
-    """Models the local replica leaves to workers: decoupled ones (streams)."""
-    return config.model_transaction_policy.decoupled

@@ -1,8 +1,11 @@
 """``infergate serve``: the gateway running the repository's models in its own
 process (a local replica), driven by the real tritonclient over HTTP and gRPC
 and checked against ONNX Runtime run directly on the same files; a bad
-request stays a 4xx; load and unload through the gateway; and a local replica
-beside a remote worker, both serving one model (seen in their statistics).
+request stays a 4xx; load and unload through the gateway; statistics and
+metrics; an ensemble, a stateful sequence and a decoupled model's stream;
+and a local replica beside a
+remote worker, both serving one model (seen in their statistics), through
+``serve --worker`` and ``up --local``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tests.integration.gateway.e2e_cluster import (
     make_inputs,
     onnx_references,
 )
+from tests.integration.gateway.stream_clients import Stream, repeat_inputs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -126,6 +130,9 @@ def test_statistics_come_from_the_local_replica(served: Proc) -> None:
     assert local["address"] == "local"
     (stats,) = local["model_stats"]
     assert int(stats["execution_count"]) >= 1
+    with urllib.request.urlopen(f"http://{http_url(served)}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert 'infergate_worker_state{state="READY",worker="local"} 1' in metrics.splitlines(), metrics[:2000]
 
 
 def test_a_local_and_a_remote_replica_share_one_model(model_repo: Path) -> None:
@@ -155,3 +162,53 @@ def test_a_local_and_a_remote_replica_share_one_model(model_repo: Path) -> None:
             proc.stop()
     finally:
         worker.stop()
+
+
+def test_an_ensemble_runs_its_steps_on_the_local_replica(served: Proc) -> None:
+    """``classify`` (preprocess -> cnn -> postprocess): the gateway runs the steps, each a local model."""
+    images = np.random.default_rng(5).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    tensor = grpcclient.InferInput("IMAGE", list(images.shape), "UINT8")
+    tensor.set_data_from_numpy(images)
+    result = grpcclient.InferenceServerClient(grpc_url(served)).infer("classify", [tensor])
+    assert result.as_numpy("SCORES").shape == (2, 3) and result.as_numpy("CLASSES").shape == (2, 3)
+
+
+def test_up_local_runs_the_models_in_the_gateway_beside_its_workers(model_repo: Path) -> None:
+    proc = start(["up", "--local", "--workers", "1", "--model-repository", str(model_repo),
+                  "--http-port", "0", "--grpc-port", "0"])
+    try:
+        ready = {w["address"] for w in get_json(proc, "/v2/cluster")["workers"] if w["state"] == "ready"}
+        assert ready == {"local", proc.ready["workers"][0]["address"]}
+        ok = {"INPUT": np.zeros((1, 64), dtype=np.float32)}
+        assert grpcclient.InferenceServerClient(grpc_url(proc)).infer("mlp", grpc_inputs(ok)).as_numpy("OUTPUT").shape == (1, 10)
+    finally:
+        proc.stop()
+
+
+def test_sequences_keep_their_state_on_the_local_replica(served: Proc) -> None:
+    """``accumulate`` (implicit state): two interleaved sequences, each its own running sum."""
+    client = grpcclient.InferenceServerClient(grpc_url(served))
+    sums = {"a": 0, 7: 0}
+    for step in range(4):
+        for k, seq in enumerate(sums):
+            value = 10 * (k + 1) + step
+            sums[seq] += value
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+            result = client.infer("accumulate", [tensor], sequence_id=seq, sequence_start=step == 0,
+                                  sequence_end=step == 3)
+            assert int(result.as_numpy("OUTPUT")[0][0]) == sums[seq], (seq, step)
+
+
+def test_a_decoupled_model_streams_from_the_local_replica(served: Proc) -> None:
+    """repeat_int32 through serve's gRPC stream: each response as the model sends it, then the final one."""
+    stream = Stream(grpc_url(served))
+    stream.send("repeat_int32", repeat_inputs([5, 6, 7], delay_ms=10), "r", empty_final=True)
+    stream.send("repeat_int32", repeat_inputs([1, 2], delay_ms=[0]), "bad", empty_final=True)  # DELAY too short
+    got = stream.finish()
+    mine = stream.of("r")
+    assert [r.values[0] for r in mine[:-1] if r.values] == [5, 6, 7], got
+    assert [r.final for r in mine] == [False, False, False, True]
+    assert any(r.error for r in got), got  # the model's refusal, in-stream as a worker reports it
+    (local,) = get_json(served, "/v2/models/repeat_int32/stats?workers=true")["workers"]
+    assert local["address"] == "local"

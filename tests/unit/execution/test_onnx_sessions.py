@@ -69,3 +69,28 @@ def test_layout_defaults_and_refusals() -> None:
     assert default_intra_op_threads(16, "cuda", "shared") == 1
     with pytest.raises(InvalidArgument, match="cpu_sessions=wide"):
         backend("wide")
+
+
+async def test_adaptive_runs_alone_on_the_wide_session_and_side_by_side_on_narrow_ones(tmp_path: Path) -> None:
+    version_dir = write_model(tmp_path / "add", add_model())
+    made = backend("adaptive")
+    try:
+        config = config_of(made, version_dir)
+        first, second = (made.load(tmp_path / "add", version_dir, config, Placement("cpu")) for _ in range(2))
+        assert first._wide is second._wide and first._session is not second._session
+        used: list[object] = []
+        for instance in (first, second):
+            run = instance._run
+
+            def spy(inputs, names, session, run=run):  # type: ignore[no-untyped-def]
+                used.append(session)
+                return run(inputs, names, session)
+
+            instance._run = spy  # type: ignore[method-assign]
+        a = np.ones((1, 4), np.float32)
+        await first.infer({"A": a, "B": a}, ["Y"])  # alone: the wide session
+        await asyncio.gather(first.infer({"A": a, "B": a}, ["Y"]), second.infer({"A": a, "B": a}, ["Y"]))
+        assert used[0] is first._wide
+        assert used[1] is first._wide and used[2] is second._session  # the second started beside the first
+    finally:
+        made.close()

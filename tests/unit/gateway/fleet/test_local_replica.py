@@ -1,12 +1,13 @@
 """Tests for gateway/fleet/local_replica.py: a repository's models run in this
-process behind the worker client's interface: the index (decoupled models
-left to workers), inference equal to the model, a request's fault kept a
+process behind the worker client's interface: the index, a decoupled model's
+stream (gateway/fleet/local_stream.py), inference equal to the model, a request's fault kept a
 request's fault, load with an override, unload, a model that fails to load
 leaving the others served, statistics, and close."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,11 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.local_replica import LocalOptions, LocalReplica
+from gateway.fleet.stream_call import ModelStreamError, is_final, stream_responses
 from models.build import EXAMPLE_MODELS, build_repository
 from models.python_models import build_python_models
 from protos import codec
-from protos.errors import InvalidArgument, ModelNotFound, Unavailable, Unsupported
+from protos.errors import InvalidArgument, ModelNotFound, Unavailable
 
 
 @pytest.fixture
@@ -41,14 +43,26 @@ def mlp_request(rows: np.ndarray) -> service_pb2.ModelInferRequest:
     return request
 
 
-async def test_index_serves_onnx_models_and_leaves_decoupled_ones_to_workers(replica: LocalReplica) -> None:
+async def test_index_serves_every_model_but_the_one_that_failed(replica: LocalReplica) -> None:
     assert await replica.server_ready()
     index = {e.name: e.state for e in await replica.repository_index()}
-    assert index["mlp"] == index["simple"] == "READY"
-    assert "repeat_int32" not in index and "square_int32" not in index  # decoupled: streams go to workers
+    assert index["mlp"] == index["simple"] == index["square_int32"] == index["repeat_int32"] == "READY"
     assert index["broken"] == "UNAVAILABLE"  # failed to load; the others serve
-    with pytest.raises(Unsupported, match="decoupled"):
-        await replica.load("repeat_int32")
+
+
+async def test_a_decoupled_model_streams_in_process(replica: LocalReplica) -> None:
+    request = service_pb2.ModelInferRequest(model_name="square_int32", id="s1")
+    request.inputs.add(name="IN", datatype="INT32", shape=[1])
+    request.raw_input_contents.append(np.array([3], np.int32).tobytes())
+    async with aclosing(stream_responses(replica, request, 10.0)) as responses:
+        got = [(r.id, is_final(r), [codec.decode(o.datatype, list(o.shape), raw).tolist()
+                                    for o, raw in zip(r.outputs, r.raw_output_contents)]) for r, _ in
+               [item async for item in responses]]
+    assert got == [("s1", False, [[3]])] * 3 + [("s1", True, [])]
+    bad = service_pb2.ModelInferRequest(model_name="nope", id="s2")
+    with pytest.raises(ModelStreamError, match="unknown model"):
+        async with aclosing(stream_responses(replica, bad, 10.0)) as responses:
+            [item async for item in responses]
 
 
 async def test_infer_answers_as_the_model_and_a_bad_request_is_the_requests_fault(replica: LocalReplica) -> None:
