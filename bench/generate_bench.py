@@ -41,7 +41,7 @@ from execution.backends.generate import create_backend  # noqa: E402
 from execution.model import LoadedModel  # noqa: E402
 from loadtest.suite_procs import cpu_seconds  # noqa: E402
 from tests.harness import start_worker, worker_url  # noqa: E402
-from workers.decoupled import serve_decoupled  # noqa: E402
+from execution.decoupled import serve_decoupled  # noqa: E402
 
 FINAL = "triton_final_response"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
