@@ -181,10 +181,20 @@ def _entry_tensor(spec: TensorSpec, default_dims: tuple[int, ...] | None, value:
         value = value["content"]
     if shape is None:
         raise BenchError(f"{where}: give a 'shape' for input {spec.name} or --shape {spec.name}:DIMS")
+    count, needed = _leaves(value), math.prod(shape)
+    if count != needed:  # the server's words ("Shape does not match ...") name no numbers
+        raise BenchError(f"{where}: input {spec.name} has {count} value(s); shape {list(shape)} expected {needed}")
     try:
         return shape, json_codec.json_to_raw(spec.datatype, shape, value, name=spec.name)
     except codec.CodecError as exc:
         raise BenchError(f"{where}: {exc}") from None
+
+
+def _leaves(value: Any) -> int:
+    """How many values a JSON tensor's (possibly nested) data holds."""
+    if isinstance(value, list):
+        return sum(_leaves(v) for v in value)
+    return 1
 
 
 def load_data_file(path: str | Path, sig: ModelSignature, shapes: Mapping[str, tuple[int, ...]],
