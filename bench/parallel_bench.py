@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.composition import build_gateway
 from gateway.core import Gateway
 from gateway.settings import GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, Tensor
@@ -124,7 +125,7 @@ async def measure(
         targets = addresses or [w.address for w in procs]
         config = GatewayConfig(workers=tuple(WorkerSpec(a) for a in targets), models=models,
                                model_repository=str(model_repository))
-        gateway = Gateway(config)
+        gateway = build_gateway(config)
         await gateway.start()
         x = np.random.default_rng(0).integers(0, 100, size=(1, seq)).astype(np.int64)
         await _latency(gateway, names, x, 3 if large else 20, 20)  # warm up every path (sessions, channels, batchers)
