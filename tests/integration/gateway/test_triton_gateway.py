@@ -288,9 +288,18 @@ def test_load_with_override_makes_python_model_servable_on_triton(
         assert via_http.get_model_metadata("mlp_pushed")["versions"] == ["1", "2"]
         assert via_grpc.get_model_config("mlp_pushed").config.backend == "python"
 
-        # Versions as Triton serves them: version 1 on request, the latest (2) by default.
+        # Our worker runs Python-backend models too, so the override reached both replicas.
+        ours = grpc_client(worker_url(pool.worker))
+        try:
+            assert ours.is_model_ready("mlp_pushed", "1") and ours.is_model_ready("mlp_pushed", "2")
+        finally:
+            ours.close()
+
+        # Versions as Triton serves them: version 1 on request, the latest (2) by default,
+        # whichever of the two replicas ran the request.
         def counts() -> tuple[int, int]:
-            return tuple(inference_count(pool.triton.url, "mlp_pushed", v, headers=HEADERS) for v in "12")
+            return tuple(inference_count(pool.triton.url, "mlp_pushed", v, headers=HEADERS)
+                         + inference_count(worker_url(pool.worker), "mlp_pushed", v) for v in "12")
 
         feeds = mlp_input(3, seed=11)
         assert counts() == (0, 0)
