@@ -53,7 +53,7 @@ class StreamRouting:
             worker = await router.acquire(model, version, deadline, tried)
             attempts += 1
             sent = 0
-            with router.holding(worker):
+            with router.holding(worker, model):
                 try:
                     async with aclosing(stream_responses(worker.client, request, self._timeout(model, deadline))) as rs:
                         async for item in rs:
