@@ -292,14 +292,19 @@ class Router:
         Waiting calls are served in arrival order: a call that finds others
         waiting joins the back of the line instead of taking a slot freed
         for the one in front of it, and only the head of the line takes one.
+        A retry (``tried`` not empty) waits beside the line, not in it: it
+        may wait for a replica not tried yet while another has a free slot,
+        and must not hold back the calls behind it meanwhile.
         """
         capacity = self.capacity(model, version)
-        if not capacity.line:
+        if not capacity.line or tried:
             worker = self._pick_healthy(model, version, tried)
             if worker is not None:
                 return worker
-        turn = capacity.join_line()
+        turn = capacity.join_line() if not tried else None
         try:
+            if turn is None:
+                return await self._wait_beside(capacity, model, version, deadline, tried)
             while True:
                 remaining = self._remaining(deadline)
                 if remaining is not None and remaining <= 0:
@@ -320,7 +325,26 @@ class Router:
                     if waiter is not turn:
                         capacity.forget(waiter)
         finally:
-            capacity.leave_line(turn)
+            if turn is not None:
+                capacity.leave_line(turn)
+
+    async def _wait_beside(self, capacity: ModelCapacity, model: str, version: str, deadline: float | None,
+                           tried: set[WorkerState]) -> WorkerState:
+        """A retry's wait for a slot: woken with every freed slot, whatever the line."""
+        while True:
+            remaining = self._remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'")
+            waiter = capacity.register()
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'") from None
+            finally:
+                capacity.forget(waiter)
+            worker = self._pick_healthy(model, version, tried)
+            if worker is not None:
+                return worker
 
     def _pick_healthy(self, model: str, version: str, tried: set[WorkerState]) -> WorkerState | None:
         replicas = self.cluster.healthy(model, version)

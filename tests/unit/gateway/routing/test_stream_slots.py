@@ -203,3 +203,25 @@ def test_max_sequences_reads_the_config_parameter() -> None:
     assert max_sequences(config) == 32
     config.parameters["max_sequences"].string_value = "many"
     assert max_sequences(config) == 0
+
+
+async def test_a_retry_waiting_for_an_untried_replica_does_not_hold_back_the_line() -> None:
+    cluster, _fleet = await started("a:1", "b:1")
+    router = Router(cluster, max_inflight_per_replica=1)
+    a, b = cluster.workers()
+    try:
+        with router.holding(b):
+            with router.holding(a):
+                retry = asyncio.create_task(router.acquire("m", "", None, {a}))  # a failed it: it waits for b
+                await settle()
+                fresh = asyncio.create_task(router.acquire("m", "", None))
+                await settle()
+            await settle()
+            assert fresh.done() and fresh.result() is a and not retry.done()
+            with router.holding(a):
+                pass
+        await settle()
+        assert retry.done() and retry.result() is b
+    finally:
+        router.close()
+        await cluster.stop()
