@@ -1,7 +1,9 @@
 """Where a streamed request runs: one replica, its responses forwarded as they come.
 
 A stream is not a batch and is never hedged: the router's replica choice
-picks one replica with a free slot (``Router.acquire``), the stream counts as
+picks one replica with a free slot (``Router.acquire``: waiting streams take
+freed slots in arrival order; a model that batches its own sequences on the
+worker takes up to its ``max_sequences`` per replica), the stream counts as
 in flight there until it ends (``Router.holding``: capacity, drain and
 shutdown see it), and one ``ModelStreamInfer`` call carries it
 (``gateway.fleet.stream_call``).
