@@ -67,12 +67,14 @@ def worker_request(request: InferRequest, version: str) -> service_pb2.ModelInfe
 
 def _response(request: InferRequest, pb: service_pb2.ModelInferResponse, final: bool,
               arrived: float) -> InferResponse:
-    if len(pb.raw_output_contents) != len(pb.outputs):
-        raise Internal(f"worker answered model '{pb.model_name}' with {len(pb.outputs)} outputs "
-                       f"but {len(pb.raw_output_contents)} raw contents")
-    outputs = [Tensor(o.name, o.datatype, tuple(o.shape), raw) for o, raw in zip(pb.outputs, pb.raw_output_contents)]
-    return InferResponse(model=request.model, version=pb.model_version or request.version, id=request.id,
-                         outputs=outputs, parameters=_parameters(pb), final=final, arrived=arrived)
+    # Once per streamed response (a generation's every token): read each repeated field once.
+    meta, raws = pb.outputs, pb.raw_output_contents
+    if len(raws) != len(meta):
+        raise Internal(f"worker answered model '{pb.model_name}' with {len(meta)} outputs "
+                       f"but {len(raws)} raw contents")
+    outputs = [Tensor(o.name, o.datatype, tuple(o.shape), raw) for o, raw in zip(meta, raws)]
+    return InferResponse(request.model, pb.model_version or request.version, request.id, outputs,
+                         _parameters(pb), final, arrived)
 
 
 def _models_parameters(pb: service_pb2.ModelInferResponse) -> bool:
@@ -82,8 +84,11 @@ def _models_parameters(pb: service_pb2.ModelInferResponse) -> bool:
 def _parameters(pb: service_pb2.ModelInferResponse) -> dict[str, object]:
     """The model's response parameters (a generative model's ``finish_reason`` and token counts);
     the final flag is the response's ``final``, not a parameter."""
+    params = pb.parameters
+    if len(params) <= 1 and (not params or FINAL_RESPONSE in params):
+        return {}  # the common case: the final flag alone
     out: dict[str, object] = {}
-    for key, param in pb.parameters.items():
+    for key, param in params.items():
         which = param.WhichOneof("parameter_choice")
         if key != FINAL_RESPONSE and which is not None:
             out[key] = getattr(param, which)

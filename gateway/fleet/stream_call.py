@@ -53,8 +53,9 @@ class StreamingClient(Protocol):
 
 
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
+    # A parameter set as anything but a bool reads False here (the oneof's other member).
     param = response.parameters.get(FINAL_RESPONSE)
-    return param is not None and param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+    return param is not None and param.bool_param
 
 
 async def stream_responses(

@@ -55,6 +55,37 @@ class _Out(NamedTuple):
     last: bool
 
 
+def _message(resp: InferResponse, req: InferRequest, asked: bool, plain: bool
+             ) -> service_pb2.ModelStreamInferResponse:
+    """The stream message of one response. A decoupled model's response (a generation's every
+    token) is written straight into the message when nothing needs the general encoding (no
+    output into shared memory, no parameters): the same fields as ``encode_infer_response``'s."""
+    message = service_pb2.ModelStreamInferResponse()
+    if resp.arrived and plain and not resp.parameters:
+        out = message.infer_response
+        out.model_name = resp.model or req.model
+        out.model_version = resp.version
+        out.id = req.id
+        raws = out.raw_output_contents
+        for tensor in resp.outputs:
+            if tensor.parameters:
+                message.Clear()
+                break
+            out.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            data = tensor.data
+            raws.append(data if isinstance(data, bytes) else bytes(data))
+        else:
+            out.parameters[FINAL_RESPONSE].bool_param = resp.final
+            return message
+    out = encode_infer_response(resp, req)
+    if resp.arrived:  # a decoupled model's response: flagged on every one, as Triton's
+        out.parameters[FINAL_RESPONSE].bool_param = resp.final
+    elif asked:
+        out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
+    message.infer_response.CopyFrom(out)
+    return message
+
+
 class StreamSession:
     """One ``ModelStreamInfer`` call: reads its requests, runs each, writes every response."""
 
@@ -84,15 +115,10 @@ class StreamSession:
                 req.parameters[EMPTY_FINAL] = True  # the core keeps the empty final response for this client
             with self._tracing.request(req, self._context.invocation_metadata, "GRPC"):
                 async with aclosing(self._core.stream(req)) as responses:
+                    plain = not any(o.region is not None for o in req.outputs)
                     async for resp in responses:
-                        out = encode_infer_response(resp, req)
-                        if resp.arrived:  # a decoupled model's response: flagged on every one, as Triton's
-                            out.parameters[FINAL_RESPONSE].bool_param = resp.final
-                        elif asked:
-                            out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
                         sent += 1
-                        await self._put(_Out(service_pb2.ModelStreamInferResponse(infer_response=out), resp,
-                                             resp.final))
+                        await self._put(_Out(_message(resp, req, asked, plain), resp, resp.final))
                         if resp.final:
                             return
             await self._put(_Out(None, None, True))  # ended without a final response to write (it was dropped)

@@ -40,6 +40,7 @@ from aiohttp import hdrs, web
 
 from gateway.frontends.openai_codec import (
     DEFAULT_MAX_TOKENS,
+    TEXT_OUTPUT,
     Choice,
     Generation,
     Usage,
@@ -135,6 +136,20 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return next((e for e in leaves if isinstance(e, InferGateError)), leaves[0])
 
 
+def _token(response: InferResponse) -> bytes:
+    """``token_bytes``, read at once in the common case (every token of a generation): one
+    ``text_output`` element, its 4-byte length then its bytes."""
+    outputs = response.outputs
+    if len(outputs) == 1:
+        tensor = outputs[0]
+        data = tensor.data
+        if (tensor.name == TEXT_OUTPUT and tensor.datatype == "BYTES" and tensor.shape == (1,)
+                and isinstance(data, bytes) and len(data) >= 4
+                and int.from_bytes(data[:4], "little") == len(data) - 4):
+            return data[4:]
+    return token_bytes(response)
+
+
 def _sse(doc: Any) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
@@ -221,7 +236,7 @@ class OpenAIApi:
         tokens, reason, prompt_tokens, completion_tokens = 0, None, None, None
         async with aclosing(self._core.stream(infer)) as responses:
             async for response in responses:
-                data = token_bytes(response)
+                data = _token(response)
                 tokens += bool(data)
                 text = matcher.feed(joiner.feed(data))
                 if text:

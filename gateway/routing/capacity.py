@@ -12,6 +12,12 @@ worker time per row, ``gateway.routing.light``) is busy at one batch: its
 requests batch up behind it instead of splitting over the slots; a heavy
 one only once its waiting batch is on the worker too.
 
+A model that batches its own sequences on the worker (a generation backend's
+``max_sequences`` in its config's ``parameters``) is bounded by that instead:
+a replica takes up to ``max_sequences`` streams of it at once, counted apart
+(:meth:`InflightBounds.stream_started`), so they neither wait on the
+execution slots nor make the replica look busy to other models' batches.
+
 :class:`ModelCapacity` is the seam the batcher holds batches back on
 (``gateway.batching.seams.Capacity``): a model has *capacity* while some
 replica is below its busy bound (adaptive batching sends at once only then)
@@ -22,6 +28,7 @@ waiters when a slot frees or the cluster changes.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +36,17 @@ from typing import Any
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
+
+# The config parameter of a model that runs many sequences at once on one replica.
+MAX_SEQUENCES = "max_sequences"
+
+
+def max_sequences(config: Any) -> int:
+    """The sequences one replica runs at once as its config states them; 0 when it states none."""
+    stated = config.parameters.get(MAX_SEQUENCES)
+    if stated is not None and stated.string_value.isdigit():
+        return int(stated.string_value)
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +88,42 @@ class InflightBounds:
                         for name, s in (per_model or {}).items()
                         if s.get("busy_inflight_per_replica") or s.get("max_inflight_per_replica")}
         self.row_costs = row_costs or RowCosts(0.0)  # the light-model rule, off unless given
+        # Open streams of sequence-batching models, per replica and model (see held).
+        self._sequences: dict[WorkerState, dict[str, int]] = {}
+
+    def sequence_limit(self, worker: WorkerState, model: str) -> int:
+        """Streams of ``model`` ``worker`` runs at once when the model batches its own sequences; else 0."""
+        served = worker.models.get(model)
+        return max_sequences(served.config) if served is not None else 0
+
+    def stream_started(self, worker: WorkerState, model: str) -> bool:
+        """Count a stream of ``model`` on ``worker`` apart from its batches; False when the model has no
+        sequence bound (the stream then counts as a batch in ``worker.inflight``)."""
+        if not self.sequence_limit(worker, model):
+            return False
+        by_model = self._sequences.setdefault(worker, {})
+        by_model[model] = by_model.get(model, 0) + 1
+        return True
+
+    def stream_ended(self, worker: WorkerState, model: str) -> None:
+        by_model = self._sequences.get(worker)
+        if by_model is None or model not in by_model:
+            return
+        by_model[model] -= 1
+        if not by_model[model]:
+            del by_model[model]
+            if not by_model:
+                del self._sequences[worker]
+
+    def held(self, worker: WorkerState, model: str) -> int:
+        """What counts against ``worker``'s bounds for ``model``: its open streams when the model batches
+        its own sequences, else the worker's batches (``inflight`` less those streams)."""
+        by_model = self._sequences.get(worker)
+        if by_model is None:
+            return 0 if self.sequence_limit(worker, model) else worker.inflight
+        if model in by_model or self.sequence_limit(worker, model):
+            return by_model.get(model, 0)
+        return worker.inflight - sum(by_model.values())
 
     def limits(self, worker: WorkerState, model: str) -> tuple[int, int]:
         """(busy, max): batches of ``model`` in flight on ``worker`` at which it is busy, and full.
@@ -81,6 +135,9 @@ class InflightBounds:
         In flight counts the worker's batches of every model: models on one
         worker share its cores (our worker's one pool).
         """
+        sequences = self.sequence_limit(worker, model)
+        if sequences:
+            return sequences, sequences  # the worker refuses past it ("is at capacity")
         fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
         fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
         served = worker.models.get(model)
@@ -96,7 +153,7 @@ class InflightBounds:
 
     def load(self, worker: WorkerState, model: str) -> float:
         """Batches in flight per execution slot: idle replicas are equals whatever their sizes."""
-        return worker.inflight / self.limits(worker, model)[0]
+        return self.held(worker, model) / self.limits(worker, model)[0]
 
     def usable(self, pool: Sequence[WorkerState]) -> list[WorkerState]:
         """The READY replicas of ``pool`` whose circuit lets an attempt through now."""
@@ -106,16 +163,16 @@ class InflightBounds:
     def below(self, workers: Sequence[WorkerState], model: str, *, busy: bool = False) -> list[WorkerState]:
         """The workers below their max (or, with ``busy``, their busy) bound for ``model``."""
         which = 0 if busy else 1
-        return [w for w in workers if w.inflight < self.limits(w, model)[which]]
+        return [w for w in workers if self.held(w, model) < self.limits(w, model)[which]]
 
     def free(self, replicas: Sequence[WorkerState], model: str, *, busy: bool) -> int:
         """Batches the usable replicas can take before each is busy (or full)."""
         usable = self.usable(replicas) or [w for w in replicas if w.state is WorkerStatus.READY]
         free = 0
         for w in usable:
-            limit = self.limits(w, model)[0 if busy else 1]
-            if w.inflight < limit:
-                free += limit - w.inflight
+            limit, held = self.limits(w, model)[0 if busy else 1], self.held(w, model)
+            if held < limit:
+                free += limit - held
         return free
 
 
@@ -137,6 +194,27 @@ class ModelCapacity:
         # or about to take one): a slot such a call takes next must not look free to the
         # batcher, or it would send another batch after it.
         self.starting = 0
+        # Calls waiting for a replica slot (``Router.acquire``), first come first served:
+        # only the head of the line takes a freed slot; each one's future is set when it is next.
+        self.line: deque[asyncio.Future[None]] = deque()
+
+    def join_line(self) -> asyncio.Future[None]:
+        """A place at the back of the line; its future is done once it is the head. Pair with :meth:`leave_line`."""
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.line:
+            turn.set_result(None)
+        self.line.append(turn)
+        return turn
+
+    def leave_line(self, turn: asyncio.Future[None]) -> None:
+        """``turn`` leaves the line (served, failed or gone); the next one becomes the head."""
+        head = bool(self.line) and self.line[0] is turn
+        try:
+            self.line.remove(turn)
+        except ValueError:
+            return
+        if head and self.line and not self.line[0].done():
+            self.line[0].set_result(None)
 
     def has_capacity(self) -> bool:
         """Some replica has a free execution slot: a batch sent now starts at once."""

@@ -205,14 +205,18 @@ class Router:
         return await self._acquire(model, version, deadline, set(avoid) if avoid else set())
 
     @contextmanager
-    def holding(self, worker: WorkerState) -> Iterator[None]:
-        """A call that is no batch (a stream) counts as in flight on ``worker`` while it lasts."""
+    def holding(self, worker: WorkerState, model: str = "") -> Iterator[None]:
+        """A call that is no batch (a stream) counts as in flight on ``worker`` while it lasts; a stream of
+        a model that batches its own sequences counts against its ``max_sequences`` (``InflightBounds``)."""
         worker.inflight += 1
         worker.sent += 1
+        sequence = bool(model) and self.bounds.stream_started(worker, model)
         try:
             yield
         finally:
             worker.inflight -= 1
+            if sequence:
+                self.bounds.stream_ended(worker, model)
             self._slot_freed(worker)
 
     async def send_to(
@@ -283,19 +287,54 @@ class Router:
     async def _acquire(
         self, model: str, version: str, deadline: float | None, tried: set[WorkerState]
     ) -> WorkerState:
-        """A replica with a free slot, waiting (within the deadline) while all are full."""
-        while True:
-            replicas = self.cluster.healthy(model, version)
-            if not replicas:
-                which = f"model '{model}' version {version}" if version else f"model '{model}'"
-                raise Unavailable(f"no healthy replica of {which}")
-            worker = self._pick(replicas, model, tried, version=version)
+        """A replica with a free slot, waiting (within the deadline) while all are full.
+
+        Waiting calls are served in arrival order: a call that finds others
+        waiting joins the back of the line instead of taking a slot freed
+        for the one in front of it, and only the head of the line takes one.
+        A retry (``tried`` not empty) waits beside the line, not in it: it
+        may wait for a replica not tried yet while another has a free slot,
+        and must not hold back the calls behind it meanwhile.
+        """
+        capacity = self.capacity(model, version)
+        if not capacity.line or tried:
+            worker = self._pick_healthy(model, version, tried)
             if worker is not None:
                 return worker
+        turn = capacity.join_line() if not tried else None
+        try:
+            if turn is None:
+                return await self._wait_beside(capacity, model, version, deadline, tried)
+            while True:
+                remaining = self._remaining(deadline)
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'")
+                if not turn.done():  # others are ahead: wait to be the head
+                    waiter = turn
+                else:
+                    worker = self._pick_healthy(model, version, tried)
+                    if worker is not None:
+                        return worker
+                    waiter = capacity.register()
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter), remaining)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(
+                        f"deadline exceeded waiting for a free replica of model '{model}'") from None
+                finally:
+                    if waiter is not turn:
+                        capacity.forget(waiter)
+        finally:
+            if turn is not None:
+                capacity.leave_line(turn)
+
+    async def _wait_beside(self, capacity: ModelCapacity, model: str, version: str, deadline: float | None,
+                           tried: set[WorkerState]) -> WorkerState:
+        """A retry's wait for a slot: woken with every freed slot, whatever the line."""
+        while True:
             remaining = self._remaining(deadline)
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'")
-            capacity = self.capacity(model, version)
             waiter = capacity.register()
             try:
                 await asyncio.wait_for(waiter, remaining)
@@ -303,6 +342,16 @@ class Router:
                 raise DeadlineExceeded(f"deadline exceeded waiting for a free replica of model '{model}'") from None
             finally:
                 capacity.forget(waiter)
+            worker = self._pick_healthy(model, version, tried)
+            if worker is not None:
+                return worker
+
+    def _pick_healthy(self, model: str, version: str, tried: set[WorkerState]) -> WorkerState | None:
+        replicas = self.cluster.healthy(model, version)
+        if not replicas:
+            which = f"model '{model}' version {version}" if version else f"model '{model}'"
+            raise Unavailable(f"no healthy replica of {which}")
+        return self._pick(replicas, model, tried, version=version)
 
     # ---- candidates: the chooser picks among them --------------------------
 

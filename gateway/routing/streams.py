@@ -1,7 +1,9 @@
 """Where a streamed request runs: one replica, its responses forwarded as they come.
 
 A stream is not a batch and is never hedged: the router's replica choice
-picks one replica with a free slot (``Router.acquire``), the stream counts as
+picks one replica with a free slot (``Router.acquire``: waiting streams take
+freed slots in arrival order; a model that batches its own sequences on the
+worker takes up to its ``max_sequences`` per replica), the stream counts as
 in flight there until it ends (``Router.holding``: capacity, drain and
 shutdown see it), and one ``ModelStreamInfer`` call carries it
 (``gateway.fleet.stream_call``).
@@ -53,7 +55,7 @@ class StreamRouting:
             worker = await router.acquire(model, version, deadline, tried)
             attempts += 1
             sent = 0
-            with router.holding(worker):
+            with router.holding(worker, model):
                 try:
                     async with aclosing(stream_responses(worker.client, request, self._timeout(model, deadline))) as rs:
                         async for item in rs:
