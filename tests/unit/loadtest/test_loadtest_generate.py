@@ -149,3 +149,26 @@ def test_generation_options_are_checked() -> None:
     assert BenchConfig(model="lm", protocol="openai", generate=True).url == "localhost:8000"
     with pytest.raises(BenchError, match="--output-tokens"):
         config(output_tokens=0)
+
+
+def test_the_suite_section_compares_with_one_sequence_at_a_time(tmp_path: Any) -> None:
+    from loadtest.suite_generate import gateway_config, gen_rows, write_repository
+
+    source = tmp_path / "src"
+    (source / "tiny_lm" / "1").mkdir(parents=True)
+    (source / "tiny_lm" / "config.pbtxt").write_text('name: "tiny_lm"\nbackend: "generate"\n')
+    repo = write_repository(source, tmp_path / "repo")
+    serial = (repo / "tiny_lm_serial" / "config.pbtxt").read_text()
+    assert 'name: "tiny_lm_serial"' in serial and '"max_batch_sequences"' in serial
+    assert (repo / "tiny_lm_serial" / "1").is_dir() and "max_batch" not in (repo / "tiny_lm" / "config.pbtxt").read_text()
+    assert gateway_config()["models"]["tiny_lm"]["max_inflight_per_replica"] == 32
+
+    def level(tokens: int) -> Any:
+        window = StreamWindow(duration_s=1.0)
+        window.add(StreamRecord(sent_s=0.0, arrivals_s=[0.1] * tokens, done_s=0.5))
+        return stream_level_result(16, window, stable=True, windows=1)
+
+    rows = gen_rows({("1 worker, continuous batching", 16): level(40), ("1 worker, one at a time", 16): level(10),
+                     ("2 workers, continuous batching", 1): level(5)})
+    assert [r["vs_serial"] for r in rows] == [4.0, 1.0, None]
+    assert rows[0]["output_tokens_per_s"] == 40.0 and rows[0]["requests_per_s"] == 1.0
