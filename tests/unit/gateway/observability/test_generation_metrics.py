@@ -65,3 +65,23 @@ def test_the_metrics_show_generations_of_models_that_generated() -> None:
     assert samples[("infergate_generation_inter_token_seconds_count", "lm", None)] == 2
     assert samples[("infergate_generation_inter_token_seconds_bucket", "lm", "0.001")] == 1
     assert not any(model == "sq" and name.startswith("infergate_generation") for name, model, _ in samples)
+
+
+def test_the_dashboard_stats_carry_a_generative_models_histograms() -> None:
+    from gateway.multiproc.merge import merge_cluster_stats
+    from gateway.observability.cluster_api import cluster_stats
+
+    gw = FakeGateway()
+    gw.streams = StreamStats()  # type: ignore[attr-defined]
+    generation(gw.streams, "lm", 0.02, [0.001, 0.003], final_counts=True)  # type: ignore[attr-defined]
+    for model in ("lm", "simple"):
+        gw.stats.record_success(model, "1", 1, 1_000_000, queue_ns=0)
+    doc = cluster_stats(gw)  # type: ignore[arg-type]
+    assert doc["token_gap_bounds_s"] == list(TOKEN_GAP_BUCKETS_S)
+    models = {m["model"]: m for m in doc["models"]}
+    lm = models["lm"]
+    assert lm["tokens"] == 3 and sum(lm["ttft_counts"]) == 1 and sum(lm["itl_counts"]) == 2
+    assert "tokens" not in models["simple"]
+    merged = {m["model"]: m for m in merge_cluster_stats([doc, doc])["models"]}
+    assert merged["lm"]["tokens"] == 6 and sum(merged["lm"]["itl_counts"]) == 4
+    assert merged["simple"]["success"] == 2 and "tokens" not in merged["simple"]
