@@ -1,7 +1,8 @@
 """``infergate bench --generate`` against a real worker serving ``tiny_lm``
 and a gateway in front of it: every request yields exactly the tokens it
 asked for (``ignore_eos``) over gRPC streams, SSE and the OpenAI API, and
-the command line prints genai-perf's numbers and writes them as JSON."""
+the command line prints genai-perf's numbers and writes them as JSON; the
+suite's generation section runs end to end (quick)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,15 @@ def test_the_command_line_reports_and_writes_json(gateway: Proc, tmp_path: Path)
     (level,) = json.loads(out.read_text())["levels"]
     assert level["concurrency"] == 2 and level["output_tokens"] == REQUESTS * TOKENS
     assert level["time_to_first_token_ms"]["p50"] > 0
+
+
+def test_suite_generation_section(model_repo: Path, tmp_path: Path) -> None:
+    from loadtest.suite_context import SuiteContext, SuiteSettings
+    from loadtest.suite_generate import run_generation
+
+    section = run_generation(SuiteContext(SuiteSettings.for_run(model_repo, quick=True), tmp_path))
+    rows = {(r["setup"], r["streams"]): r for r in section.rows}
+    setups = ("1 worker, continuous batching", "1 worker, one at a time", "2 workers, continuous batching")
+    assert set(rows) == {(s, n) for s in setups for n in (1, 16)}
+    assert all(r["errors"] == 0 and r["output_tokens_per_s"] > 0 and r["ttft_p50"] > 0 for r in rows.values())
+    assert rows[("1 worker, one at a time", 16)]["vs_serial"] == 1.0
