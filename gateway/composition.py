@@ -18,7 +18,10 @@ passing a cluster or router of their own.
 With ``local.enabled`` (``infergate serve``) it builds the local replica
 (``gateway.fleet.local_replica``: the repository's models run in this
 process) and hands it to the cluster as one more worker, and the router a
-choice policy that tries it first (``LocalFirst``).
+choice policy that tries it first (``LocalFirst``). Streams of generative
+models are routed by their prompt's prefix (``gateway.routing.prefix``): the
+router's policy wraps the least loaded one, and the stream path hands it the
+prompt's key.
 
 May import every gateway package (it sits above the core), except
 ``gateway.app`` and ``gateway.up``, which import it.
@@ -61,10 +64,10 @@ from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.routing.choice import LeastLoaded, LocalFirst, ReplicaChooser
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
+from gateway.routing.prefix import PrefixAffinity, PrefixStreamRouting
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
-from gateway.routing.streams import StreamRouting
 from gateway.security.setup import worker_client_factory, worker_token
 from gateway.fleet.worker_client import WorkerClient
 from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
@@ -161,7 +164,7 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         control=seams.control,
     )
     models = ModelCatalog(parts)
-    streaming = StreamPath(parts, StreamRouting(parts.router), parts.streams)
+    streaming = StreamPath(parts, PrefixStreamRouting(parts.router), parts.streams)
     gateway = Gateway(parts, models, RequestPipeline(parts, models, streaming))
     return gateway
 
@@ -196,7 +199,8 @@ def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> C
 
 def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool = False) -> Router:
     retry = config.retry
-    chooser: ReplicaChooser = LeastLoaded()
+    # Streams of generative models go where their prompt's prefix went (gateway.routing.prefix).
+    chooser: ReplicaChooser = PrefixAffinity(LeastLoaded())
     if local_first:  # the replica in this process while it has a free slot
         chooser = LocalFirst(chooser)
     return Router(

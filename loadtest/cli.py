@@ -3,7 +3,9 @@
 Parses the options into one :class:`BenchConfig`, runs ``run_bench``, prints
 the results table on stdout (progress goes to stderr) and writes the
 ``--csv``/``--json``/``--plot`` files. ``--streaming`` runs
-``loadtest.stream_runner`` instead and prints its own table. Exit status: 0 when every level ran,
+``loadtest.stream_runner`` instead and prints its own table; ``--generate``
+runs it with generation requests (``loadtest.generate``: time to first
+token, inter-token latency, output tokens/s). Exit status: 0 when every level ran,
 1 when requests failed at every level, 2 for a usage or setup problem, 130
 after Ctrl-C (the results measured so far are still printed and written).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from loadtest.config import (
     BenchConfig,
@@ -31,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("-m", "--model-name", dest="model", required=True, help="model to load-test")
     target.add_argument("-x", "--model-version", default="", help="model version (default: the server's choice)")
     target.add_argument("-u", "--url", default="", help="HOST:PORT (default localhost:8000 for http, :8001 for grpc)")
-    target.add_argument("-i", "--protocol", choices=["http", "grpc"], default="http")
+    target.add_argument("-i", "--protocol", choices=["http", "grpc", "openai"], default="http",
+                        help="openai: the OpenAI-compatible API (with --generate)")
     target.add_argument("-H", "--header", dest="headers", action="append", default=[], metavar="KEY:VALUE",
                         help="HTTP header or gRPC metadata sent with every request (repeatable)")
     target.add_argument("--timeout-ms", type=int, default=30_000, help="client-side timeout per request")
@@ -50,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "generate_stream); reports time to first response, time between responses, responses/s")
     load.add_argument("--max-outstanding", type=int, default=4096,
                       help="open loop: requests in flight per process before sends wait (the wait counts as latency)")
+
+    gen = parser.add_argument_group("generation (genai-perf style)")
+    gen.add_argument("--generate", action="store_true",
+                     help="generative model: time to first token, inter-token latency, output tokens/s")
+    gen.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length in tokens (bytes)")
+    gen.add_argument("--output-tokens", type=int, default=64, metavar="M", help="tokens generated per request")
 
     measure = parser.add_argument_group("measurement")
     measure.add_argument("-p", "--measurement-interval", type=int, default=5000, metavar="MS",
@@ -104,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         http_binary=args.http_binary, timeout_ms=args.timeout_ms,
         headers=tuple(parse_header(h) for h in args.headers),
         processes=args.processes, max_outstanding=args.max_outstanding, progress=progress,
-        streaming=args.streaming,
+        streaming=args.streaming, generate=args.generate, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
     )  # fmt: skip
 
 
@@ -117,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if config.generate:
+            return _run_generate(config, args)
         if config.streaming:
             return _run_streaming(config, args)
         print(f"bench {config.model} at {config.url} over {config.protocol.value}, batch {config.batch_size}, "
@@ -151,6 +164,34 @@ def _run_streaming(config: BenchConfig, args: argparse.Namespace) -> int:
     print(format_stream_table(result))
     try:
         write_stream_outputs(result, csv_path=args.csv, json_path=args.json)
+    except OSError as exc:
+        print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        return 130
+    if result.levels and all(lv.requests == 0 and lv.error_count > 0 for lv in result.levels):
+        return 1
+    return 0
+
+
+def _run_generate(config: BenchConfig, args: argparse.Namespace) -> int:
+    import orjson
+
+    from loadtest.generate import format_gen_table, gen_json, gen_requests, make_gen_client
+    from loadtest.stream_report import write_stream_outputs
+    from loadtest.stream_runner import run_stream_bench
+
+    if args.plot:
+        raise BenchError("--plot is not available with --generate; use --csv or --json")
+    print(f"bench {config.model} at {config.url} over {config.protocol.value}, generating "
+          f"{config.output_tokens} tokens after {config.prompt_tokens}, "
+          f"streams {', '.join(str(c) for c in config.concurrency)}", file=sys.stderr)
+    result = run_stream_bench(config, client_factory=make_gen_client, payloads=gen_requests(config))
+    print(format_gen_table(result))
+    try:
+        write_stream_outputs(result, csv_path=args.csv, json_path=None)
+        if args.json:
+            Path(args.json).write_bytes(orjson.dumps(gen_json(result), option=orjson.OPT_INDENT_2))
     except OSError as exc:
         print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
         return 2

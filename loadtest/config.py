@@ -26,6 +26,7 @@ class BenchError(Exception):
 class Protocol(str, Enum):
     GRPC = "grpc"
     HTTP = "http"
+    OPENAI = "openai"  # the OpenAI-compatible API, generative mode only
 
 
 class Distribution(str, Enum):
@@ -38,7 +39,7 @@ class LoadMode(str, Enum):
     REQUEST_RATE = "request_rate"  # open loop: requests sent on a schedule
 
 
-DEFAULT_PORTS = {Protocol.GRPC: 8001, Protocol.HTTP: 8000}
+DEFAULT_PORTS = {Protocol.GRPC: 8001, Protocol.HTTP: 8000, Protocol.OPENAI: 8000}
 STABILITY_WINDOWS = 3  # perf_analyzer: the last 3 windows must agree
 
 
@@ -172,6 +173,11 @@ class BenchConfig:
     # Decoupled models: one open stream per concurrency slot, every response read
     # (gRPC ModelStreamInfer, or HTTP generate_stream).
     streaming: bool = False
+    # Generative models (``--generate``, implies streaming): prompts of ``prompt_tokens``
+    # bytes asking ``output_tokens`` tokens each (``loadtest.generate``).
+    generate: bool = False
+    prompt_tokens: int = 64
+    output_tokens: int = 64
 
     def __post_init__(self) -> None:
         # Accept plain strings from Python callers; store the enums.
@@ -188,6 +194,8 @@ class BenchConfig:
         object.__setattr__(self, "url", url)
         if not self.concurrency and not self.request_rate:
             object.__setattr__(self, "concurrency", (1,))
+        if self.generate:
+            object.__setattr__(self, "streaming", True)
         self._validate()
 
     def _validate(self) -> None:
@@ -215,6 +223,10 @@ class BenchConfig:
                 raise BenchError(message)
         if self.streaming and self.request_rate:
             raise BenchError("--streaming measures open streams: give --concurrency-range, not --request-rate-range")
+        if self.protocol is Protocol.OPENAI and not self.generate:
+            raise BenchError("-i openai measures generation: add --generate")
+        if self.generate and (self.prompt_tokens < 1 or self.output_tokens < 1):
+            raise BenchError("--prompt-tokens and --output-tokens must be >= 1")
         if self.streaming and self.processes > 1:
             raise BenchError("--streaming runs in one client process: drop --processes")
         host, sep, port = self.url.rpartition(":")

@@ -182,8 +182,11 @@ def _sigint_hook(stop: asyncio.Event) -> bool:
 
 
 async def run_stream_bench_async(config: BenchConfig, *, client_factory: StreamClientFactory = make_stream_client,
-                                 clock: Clock = time.monotonic) -> StreamBenchResult:
-    """The streaming benchmark on the running event loop (``client_factory``: tests pass a fake)."""
+                                 clock: Clock = time.monotonic,
+                                 payloads: Sequence[Any] | None = None) -> StreamBenchResult:
+    """The streaming benchmark on the running event loop (``client_factory``: tests pass a fake).
+
+    ``payloads``: what the client prepares (generation requests); None: built from the model's signature."""
     if not config.streaming:
         raise BenchError("run_stream_bench needs a config with streaming=True")
     client = client_factory(config)
@@ -191,14 +194,14 @@ async def run_stream_bench_async(config: BenchConfig, *, client_factory: StreamC
     hooked = False
     levels: list[StreamLevelResult] = []
     try:
-        signature = await client.signature()
-        payloads = build_payloads(
-            signature, batch_size=config.batch_size, input_data=config.input_data, shapes=config.shapes,
-            seed=config.seed, int_range=config.int_range, string_length=config.string_length,
-        )  # fmt: skip
+        if payloads is None:
+            signature = await client.signature()
+            payloads = build_payloads(
+                signature, batch_size=config.batch_size, input_data=config.input_data, shapes=config.shapes,
+                seed=config.seed, int_range=config.int_range, string_length=config.string_length,
+            )  # fmt: skip
         prepared = [client.prepare(p) for p in payloads]
-        log.info("model %s: %d input(s), %d payload(s), streaming", signature.name, len(signature.inputs),
-                 len(prepared))
+        log.info("model %s: %d payload(s), streaming", config.model, len(prepared))
         hooked = _sigint_hook(stop)
         for index, streams in enumerate(config.concurrency):
             if stop.is_set():
@@ -216,9 +219,10 @@ async def run_stream_bench_async(config: BenchConfig, *, client_factory: StreamC
     )  # fmt: skip
 
 
-def run_stream_bench(config: BenchConfig, *, client_factory: StreamClientFactory = make_stream_client) -> StreamBenchResult:
+def run_stream_bench(config: BenchConfig, *, client_factory: StreamClientFactory = make_stream_client,
+                     payloads: Sequence[Any] | None = None) -> StreamBenchResult:
     """Run a streaming benchmark and return its results (blocking; safe inside a running loop)."""
-    coro = run_stream_bench_async(config, client_factory=client_factory)
+    coro = run_stream_bench_async(config, client_factory=client_factory, payloads=payloads)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -14,7 +14,10 @@ stopped by it. Sections on this repository:
 - ``ceiling``: a light model straight to the worker, through the gateway and
   to a bare grpc.aio echo server (the Python ceiling), with CPU per request;
 - ``streaming``: a decoupled model's time to first response and time between
-  responses through the gateway vs straight to the worker, 1 and 16 streams.
+  responses through the gateway vs straight to the worker, 1 and 16 streams;
+- ``generation``: the example decoder's output tokens/s, time to first token
+  and inter-token latency: continuous batching vs one sequence at a time on
+  one worker, and 1 vs 2 workers.
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -47,6 +50,7 @@ from loadtest.suite_report import SectionResult, format_markdown, write_results
 from loadtest.suite_scale import run_scale, run_sim_check
 from loadtest.suite_sections import run_batching, run_overhead
 from loadtest.suite_streaming import run_streaming
+from loadtest.suite_generate import run_generation
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "ceiling": run_ceiling,
     "parallel_large": run_parallel_large,
     "streaming": run_streaming,
+    "generation": run_generation,
 }
 
 

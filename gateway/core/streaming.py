@@ -114,6 +114,7 @@ class StreamPath:
         pb = worker_request(request, version)
         request.dispatched = started
         sent = 0
+        last = started  # the previous response's arrival: a generation's inter-token gap
         outcome: str | None = "Cancelled"  # until the stream ends one way or the other
         self.streams.opened(model, version)
         self._open += 1
@@ -127,7 +128,8 @@ class StreamPath:
                         # with parameters of the model's (a generation's counts) is the client's.
                         continue
                     out = _response(request, response, final, arrived)
-                    self.streams.response(model, version, arrived - started, sent)
+                    self.streams.response(model, version, arrived - started, sent, arrived - last, out.outputs)
+                    last = arrived
                     sent += 1
                     if final:
                         outcome = None  # answered in full, whether or not the caller asks for more

@@ -204,6 +204,10 @@ def merge_cluster_view(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return base
 
 
+# Bucket counts summed bucket-wise: end-to-end latency; a generative model's first token and token gaps.
+_HISTOGRAMS = ("latency_counts", "ttft_counts", "itl_counts")
+
+
 def merge_cluster_stats(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """``/v2/cluster/stats``: every model's and worker's counters summed (latency histograms bucket-wise)."""
     models: dict[tuple[str, str], dict[str, Any]] = {}
@@ -212,15 +216,18 @@ def merge_cluster_stats(docs: list[dict[str, Any]]) -> dict[str, Any]:
         for m in doc["models"]:
             key = (m["model"], m["version"])
             if key not in models:
-                models[key] = dict(m, latency_counts=list(m["latency_counts"]))
+                models[key] = dict(m, **{h: list(m[h]) for h in _HISTOGRAMS if h in m})
                 continue
             into = models[key]
             _sum_fields(into, m, ("success", "failure", "inferences", "executions", "batch_rows", "queue_depth",
                                   "latency_sum_s"))
-            counts = into["latency_counts"]
-            counts.extend([0] * (len(m["latency_counts"]) - len(counts)))
-            for i, n in enumerate(m["latency_counts"]):
-                counts[i] += n
+            if "tokens" in m:  # a generative model's (observability.cluster_api)
+                into["tokens"] = into.get("tokens", 0) + m["tokens"]
+            for h in _HISTOGRAMS:
+                counts = into.setdefault(h, [])
+                counts.extend([0] * (len(m.get(h, ())) - len(counts)))
+                for i, n in enumerate(m.get(h, ())):
+                    counts[i] += n
         for w in doc["workers"]:
             if w["address"] not in workers:
                 workers[w["address"]] = dict(w)

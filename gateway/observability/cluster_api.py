@@ -8,7 +8,8 @@
   seconds by the dashboard.
 - ``GET /v2/cluster/stats``: the live per-model counters (requests, failures,
   rows, batches, queue depth, the end-to-end latency histogram) and per-worker
-  routing counters, compact, polled every second. Counters are cumulative;
+  routing counters, compact, polled every second; a generative model adds
+  its tokens and time-to-first-token and inter-token histograms. Counters are cumulative;
   rates and percentiles are differences between two polls, so the gateway
   keeps no history and no sampling task.
 
@@ -32,6 +33,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
+from gateway.observability.streams import TOKEN_GAP_BUCKETS_S, ModelStreams
 
 if TYPE_CHECKING:
     from gateway.observability.observed import ObservedGateway
@@ -236,6 +238,8 @@ def cluster_stats(gateway: ObservedGateway) -> dict[str, Any]:
     """The ``/v2/cluster/stats`` document: cumulative counters, for rates between polls."""
     batchers = gateway.batchers()
     counters = {(c.name, c.version): c for c in gateway.stats.snapshot()}
+    streams = getattr(gateway, "streams", None)
+    generating = {key: m for key, m in streams.items() if m.tokens} if streams is not None else {}
     models = []
     for key in sorted(set(counters) | set(batchers)):
         c = counters.get(key)
@@ -252,6 +256,7 @@ def cluster_stats(gateway: ObservedGateway) -> dict[str, Any]:
             "queue_depth": batcher.queue_depth() if batcher else 0,
             "latency_counts": hist.counts if hist else [],
             "latency_sum_s": hist.sum if hist else 0.0,
+            **_generation(generating.get(key)),
         })
     ejected = ejections(gateway)
     workers = [
@@ -260,7 +265,17 @@ def cluster_stats(gateway: ObservedGateway) -> dict[str, Any]:
          "failures": w.failures, "retries": w.retries}
         for w in gateway.router.worker_stats()
     ]
-    return {"time": time.time(), "latency_bounds_s": list(gateway.latency.bounds), "models": models, "workers": workers}
+    return {"time": time.time(), "latency_bounds_s": list(gateway.latency.bounds),
+            "token_gap_bounds_s": list(TOKEN_GAP_BUCKETS_S), "models": models, "workers": workers}
+
+
+def _generation(streams: ModelStreams | None) -> dict[str, Any]:
+    """A generative model's tokens, time-to-first-token and inter-token histograms (latency and
+    token-gap bounds); nothing for a model that streamed no tokens."""
+    if streams is None:
+        return {}
+    return {"tokens": streams.tokens, "ttft_counts": list(streams.first_token.counts),
+            "itl_counts": list(streams.token_gap.counts)}
 
 
 def _json(payload: dict[str, Any]) -> web.Response:

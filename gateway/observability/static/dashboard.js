@@ -92,8 +92,14 @@
     for (const m of json.models) {
       let agg = models.get(m.model);
       if (!agg) {
-        agg = { success: 0, failure: 0, executions: 0, rows: 0, queue: 0, lat: new Array(json.latency_bounds_s.length + 1).fill(0) };
+        agg = { success: 0, failure: 0, executions: 0, rows: 0, queue: 0, lat: new Array(json.latency_bounds_s.length + 1).fill(0),
+          tokens: null, ttft: null, itl: null };
         models.set(m.model, agg);
+      }
+      if (m.tokens !== undefined) { // a generative model: tokens, first-token and token-gap histograms
+        agg.tokens = (agg.tokens || 0) + m.tokens;
+        agg.ttft = addCounts(agg.ttft, m.ttft_counts);
+        agg.itl = addCounts(agg.itl, m.itl_counts);
       }
       agg.success += m.success;
       agg.failure += m.failure;
@@ -104,6 +110,12 @@
     }
     const workers = new Map(json.workers.map((w) => [w.address, w]));
     return { t: json.time, models, workers };
+  }
+
+  function addCounts(into, counts) {
+    const out = into || [];
+    (counts || []).forEach((c, i) => { out[i] = (out[i] || 0) + c; });
+    return out;
   }
 
   function windowOf(cur, base, name) {
@@ -123,11 +135,19 @@
     out.batch = out.dx > 0 ? out.dr / out.dx : null;
     out.p50 = quantile(out.lat, state.bounds, 0.5);
     out.p99 = quantile(out.lat, state.bounds, 0.99);
+    if (a.tokens !== null) {
+      out.tps = counterDelta(a.tokens, b && b.tokens) / dt;
+      const ttft = a.ttft.map((c, i) => counterDelta(c, b && b.ttft && b.ttft[i]));
+      const itl = a.itl.map((c, i) => counterDelta(c, b && b.itl && b.itl[i]));
+      out.ttft50 = quantile(ttft, state.bounds, 0.5);
+      out.itl50 = quantile(itl, state.gapBounds, 0.5);
+    }
     return out;
   }
 
   function onStats(json) {
     state.bounds = json.latency_bounds_s;
+    state.gapBounds = json.token_gap_bounds_s || [];
     const cur = parseStats(json);
     const snaps = state.snapshots;
     snaps.push(cur);
@@ -380,6 +400,10 @@
     { label: "p99", num: true, text: (m) => ms(m.live.p99), sort: (m) => m.live.p99 },
     { label: "Mean batch", num: true, text: (m) => num(m.live.batch), sort: (m) => m.live.batch },
     { label: "Queued", num: true, text: (m) => String(m.live.queue || 0), sort: (m) => m.live.queue || 0 },
+    // Generative models: output tokens/s, time to first token and inter-token latency (p50).
+    { label: "Tok/s", num: true, text: (m) => (m.live.tps === undefined ? "–" : num(m.live.tps)), sort: (m) => m.live.tps },
+    { label: "TTFT p50", num: true, text: (m) => (m.live.ttft50 === undefined ? "–" : ms(m.live.ttft50)), sort: (m) => m.live.ttft50 },
+    { label: "ITL p50", num: true, text: (m) => (m.live.itl50 === undefined ? "–" : ms(m.live.itl50)), sort: (m) => m.live.itl50 },
   ], {
     countId: "models-count",
     rowClass: (m) => (m.name === state.selected ? "selected" : ""),

@@ -14,6 +14,7 @@ from gateway.composition import build_router
 from gateway.fleet.cluster import WorkerState
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import LeastLoaded
+from gateway.routing.prefix import PrefixAffinity
 from gateway.routing.router import Router
 from gateway.settings import GatewayConfig
 from protos.errors import Unavailable
@@ -82,6 +83,8 @@ async def test_the_default_policy_is_least_loaded() -> None:
     cluster, _ = await started("a:1")
     try:
         assert isinstance(Router(cluster).chooser, LeastLoaded)
-        assert isinstance(build_router(GatewayConfig(), cluster).chooser, LeastLoaded)
+        # The composition root's: least loaded, with prefix affinity for generative streams.
+        chooser = build_router(GatewayConfig(), cluster).chooser
+        assert isinstance(chooser, PrefixAffinity) and isinstance(chooser.inner, LeastLoaded)
     finally:
         await cluster.stop()

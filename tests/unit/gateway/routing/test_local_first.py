@@ -10,6 +10,7 @@ from gateway.fleet.cluster import Cluster, WorkerState
 from gateway.fleet.local_replica import LOCAL_SPEC
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import LeastLoaded, LocalFirst
+from gateway.routing.prefix import PrefixAffinity
 from gateway.routing.outlier import OutlierDetector
 from gateway.settings import GatewayConfig, OutlierSettings, WorkerSpec
 
@@ -38,7 +39,7 @@ def test_the_composition_root_puts_local_first_only_with_a_local_replica() -> No
     plain = build_router(GatewayConfig(), cluster)
     local = build_router(GatewayConfig(), cluster, local_first=True)
     try:
-        assert isinstance(plain.chooser, LeastLoaded)
+        assert isinstance(plain.chooser, PrefixAffinity) and isinstance(plain.chooser.inner, LeastLoaded)
         assert isinstance(local.chooser, LocalFirst)
     finally:
         plain.close()

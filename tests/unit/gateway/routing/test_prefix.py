@@ -1,0 +1,162 @@
+"""Tests for gateway/routing/prefix.py: a generative stream goes to the worker
+that served its prompt's prefix while it has a free generation slot, else to
+the one with the most free slots; other calls keep the wrapped policy; the
+prefix key comes from the request's prompt; the routes are a bounded LRU."""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Sequence, Set
+
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from gateway.fleet.cluster import WorkerState
+from gateway.fleet.view import WorkerModel
+from gateway.routing.capacity import InflightBounds
+from gateway.routing.choice import LeastLoaded
+from gateway.routing.outlier import OutlierDetector
+from gateway.routing.prefix import _CURRENT, PrefixAffinity, generation_slots, prompt_key
+from gateway.settings import OutlierSettings, WorkerSpec
+
+MODEL = "lm"
+
+
+def worker(address: str, *, backend: str = "generate", max_sequences: int | None = 4) -> WorkerState:
+    w = WorkerState(WorkerSpec(address), client=None)  # type: ignore[arg-type]
+    config = model_config_pb2.ModelConfig(name=MODEL, backend=backend)
+    if max_sequences is not None:
+        config.parameters["max_sequences"].string_value = str(max_sequences)
+    w.models = {MODEL: WorkerModel(MODEL, ("1",), config, service_pb2.ModelMetadataResponse(name=MODEL))}
+    return w
+
+
+def bounds() -> InflightBounds:
+    return InflightBounds(OutlierDetector(OutlierSettings()))
+
+
+def pb(prompt: bytes, *, raw: bool = True) -> service_pb2.ModelInferRequest:
+    req = service_pb2.ModelInferRequest(model_name=MODEL)
+    t = req.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    if raw:
+        req.raw_input_contents.append(struct.pack("<I", len(prompt)) + prompt)
+    else:
+        t.contents.bytes_contents.append(prompt)
+    return req
+
+
+def choose(chooser: PrefixAffinity, prompt: bytes, candidates: Sequence[WorkerState],
+           avoid: Set[WorkerState] = frozenset(), model: str = MODEL) -> WorkerState | None:
+    key = prompt_key(pb(prompt))
+    assert key is not None
+    token = _CURRENT.set((model, key))
+    try:
+        return chooser.choose(model, "", candidates, avoid, bounds())
+    finally:
+        _CURRENT.reset(token)
+
+
+class First:
+    """Picks the first candidate; records the candidates of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def choose(self, model: str, version: str, candidates: Sequence[WorkerState], avoid: Set[WorkerState],
+               bounds: InflightBounds) -> WorkerState | None:
+        self.calls.append([w.address for w in candidates])
+        return candidates[0]
+
+
+def test_the_prompt_key_hashes_the_first_bytes_of_the_prompt_raw_or_typed() -> None:
+    long_a = b"You are a helpful assistant. " * 4 + b"What is 2+2?"
+    long_b = b"You are a helpful assistant. " * 4 + b"Name a colour."
+    assert prompt_key(pb(long_a)) == prompt_key(pb(long_b)) == prompt_key(pb(long_a, raw=False))
+    assert prompt_key(pb(b"short one")) != prompt_key(pb(b"short two"))
+    assert prompt_key(pb(long_a), prefix_bytes=200) != prompt_key(pb(long_b), prefix_bytes=200)
+    assert prompt_key(service_pb2.ModelInferRequest(model_name="simple")) is None
+    by_parameter = service_pb2.ModelInferRequest(model_name=MODEL)
+    by_parameter.parameters["text_input"].string_param = "hello"
+    assert prompt_key(by_parameter) == prompt_key(pb(b"hello"))
+
+
+def test_generation_slots_come_from_the_model_config() -> None:
+    assert generation_slots(worker("a:1", max_sequences=8), MODEL) == 8
+    assert generation_slots(worker("a:1", max_sequences=None), MODEL) == 32  # the worker's default
+    assert generation_slots(worker("a:1", backend="onnxruntime"), MODEL) is None
+    assert generation_slots(worker("a:1"), "other") is None
+
+
+def test_a_shared_prefix_goes_back_to_the_worker_that_served_it() -> None:
+    a, b = worker("a:1"), worker("b:1")
+    chooser = PrefixAffinity(First())
+    first = choose(chooser, b"system prompt: tell me a story", [b, a])
+    assert first is b
+    for _ in range(3):  # still b while it has free slots, even when a is idler
+        b.inflight += 1
+        assert choose(chooser, b"system prompt: tell me a story", [a, b]) is b
+    assert chooser.hits == 3 and chooser.misses == 1
+
+
+def test_a_new_prefix_goes_to_the_worker_with_the_most_free_slots() -> None:
+    a, b = worker("a:1", max_sequences=4), worker("b:1", max_sequences=8)
+    a.inflight, b.inflight = 1, 2  # a has 3 free, b 6
+    chooser = PrefixAffinity(First())
+    assert choose(chooser, b"one", [a, b]) is b
+    b.inflight = 6  # now a has more free
+    assert choose(chooser, b"two", [a, b]) is a
+
+
+def test_equals_are_left_to_the_wrapped_policy() -> None:
+    a, b = worker("a:1"), worker("b:1")
+    inner = First()
+    chooser = PrefixAffinity(inner)
+    assert choose(chooser, b"x", [b, a]) is b
+    assert inner.calls == [["b:1", "a:1"]]
+
+
+def test_a_full_gone_or_tried_worker_loses_its_prefix() -> None:
+    a, b = worker("a:1", max_sequences=2), worker("b:1", max_sequences=2)
+    chooser = PrefixAffinity(First())
+    assert choose(chooser, b"p", [a, b]) is a
+    a.inflight = 2  # full: the least loaded takes it, and the prefix moves there
+    assert choose(chooser, b"p", [a, b]) is b
+    a.inflight = 0
+    assert choose(chooser, b"p", [a, b]) is b
+    assert choose(chooser, b"p", [a]) is a  # b gone: a takes it
+    assert choose(chooser, b"p", [a, b], avoid={a}) is b  # a failed this call
+    assert choose(chooser, b"p", [a, b]) is b
+
+
+def test_distinct_prefixes_spread_over_the_workers() -> None:
+    a, b = worker("a:1"), worker("b:1")
+    chooser = PrefixAffinity(LeastLoaded(random.Random(1)))
+    for i in range(4):  # each stream stays open: the next new prefix goes to the freer worker
+        chosen = choose(chooser, f"prompt number {i}".encode(), [a, b])
+        assert chosen is not None
+        chosen.inflight += 1
+    assert a.inflight == b.inflight == 2
+
+
+def test_other_calls_and_other_models_keep_the_wrapped_policy() -> None:
+    a, b = worker("a:1"), worker("b:1")
+    inner = First()
+    chooser = PrefixAffinity(inner)
+    b.inflight = 3
+    assert chooser.choose(MODEL, "", [b, a], set(), bounds()) is b  # no key: not a prefix-routed call
+    assert choose(chooser, b"p", [b, a], model="another") is b  # the key is for another model
+    onnx = worker("c:1", backend="onnxruntime")
+    assert choose(chooser, b"p", [onnx, a]) is onnx  # not a generative model there
+    assert len(inner.calls) == 3 and chooser.remembered == 0
+
+
+def test_the_routes_are_a_bounded_lru() -> None:
+    a, b = worker("a:1", max_sequences=100), worker("b:1", max_sequences=100)
+    chooser = PrefixAffinity(First(), routes=2)
+    choose(chooser, b"one", [a, b])
+    choose(chooser, b"two", [b, a])
+    assert choose(chooser, b"one", [b, a]) is a  # touched: "two" is now the oldest
+    choose(chooser, b"three", [b, a])
+    assert chooser.remembered == 2
+    assert choose(chooser, b"two", [a, b]) is a  # forgotten: a new prefix, the first equal
+    assert choose(chooser, b"three", [a, b]) is b  # the newest stays
