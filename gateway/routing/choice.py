@@ -81,6 +81,6 @@ class LocalFirst:
         bounds: InflightBounds,
     ) -> WorkerState | None:
         for w in candidates:
-            if w.kind == self._kind and w not in avoid and w.inflight < bounds.limits(w, model)[0]:
+            if w.kind == self._kind and w not in avoid and bounds.held(w, model) < bounds.limits(w, model)[0]:
                 return w
         return self._inner.choose(model, version, candidates, avoid, bounds)

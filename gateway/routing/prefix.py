@@ -119,7 +119,7 @@ class PrefixAffinity:
         current = _CURRENT.get()
         if current is None or current[0] != model:
             return self.inner.choose(model, version, candidates, avoid, bounds)
-        free = {w: _free(w, model) for w in candidates}
+        free = {w: _free(w, model, bounds) for w in candidates}
         if any(n is None for n in free.values()):  # not a generative model (on some replica): the usual rule
             return self.inner.choose(model, version, candidates, avoid, bounds)
         address = self._routes.get(current)
@@ -145,9 +145,11 @@ class PrefixAffinity:
             self._routes.popitem(last=False)
 
 
-def _free(worker: WorkerState, model: str) -> int | None:
+def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None:
+    """Streams ``worker`` may still start for ``model``: its ``max_sequences`` less the streams of
+    that model it holds (``InflightBounds.held``), not other models' calls; None when not generative."""
     slots = generation_slots(worker, model)
-    return None if slots is None else max(0, slots - worker.inflight)
+    return None if slots is None else max(0, slots - bounds.held(worker, model))
 
 
 class PrefixStreamRouting(StreamRouting):

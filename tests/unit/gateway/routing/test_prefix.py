@@ -31,8 +31,16 @@ def worker(address: str, *, backend: str = "generate", max_sequences: int | None
     return w
 
 
+class StreamsHeld(InflightBounds):
+    """Bounds whose streams held on a worker are the test's ``worker.inflight`` (what the router's
+    per-model stream count would be, with only this model's streams open)."""
+
+    def held(self, worker: WorkerState, model: str) -> int:
+        return worker.inflight
+
+
 def bounds() -> InflightBounds:
-    return InflightBounds(OutlierDetector(OutlierSettings()))
+    return StreamsHeld(OutlierDetector(OutlierSettings()))
 
 
 def pb(prompt: bytes, *, raw: bool = True) -> service_pb2.ModelInferRequest:
@@ -160,3 +168,16 @@ def test_the_routes_are_a_bounded_lru() -> None:
     assert chooser.remembered == 2
     assert choose(chooser, b"two", [a, b]) is a  # forgotten: a new prefix, the first equal
     assert choose(chooser, b"three", [a, b]) is b  # the newest stays
+
+
+def test_other_models_calls_do_not_use_up_a_generative_models_streams() -> None:
+    a, b = worker("a:1", max_sequences=2), worker("b:1", max_sequences=2)
+    a.inflight = 5  # batches of other models on a; none of this model's streams
+    real = InflightBounds(OutlierDetector(OutlierSettings()))
+    real.stream_started(b, MODEL)
+    chooser = PrefixAffinity(First())
+    token = _CURRENT.set((MODEL, prompt_key(pb(b"fresh prompt"))))
+    try:
+        assert chooser.choose(MODEL, "", [b, a], set(), real) is a  # a: 2 free; b: 1
+    finally:
+        _CURRENT.reset(token)
