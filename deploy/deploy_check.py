@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.keep_images:
                     remove_images(env)
     except Skip as exc:
+        if args.command == "images":
+            print(f"images: {exc}", file=sys.stderr)
+            return 1
         print(f"deploy-check: skipped: {exc}")
         return 0
     print("deploy-check: " + yaml.safe_dump(report, sort_keys=False).replace("\n", "\n  ").rstrip())
