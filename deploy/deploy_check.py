@@ -320,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = choose_runtime()
         report["images"] = build_images(env)
-        env = choose_runtime()  # now judged on the base image
         if args.command == "check":
             try:
+                env = choose_runtime()  # now judged on the base image
                 check(env, report)
             finally:
                 if not args.keep_images:
