@@ -152,7 +152,8 @@ class Cluster:
     def down(self) -> None:
         for name in reversed(self.played):
             podman("pod", "rm", "--force", "--time", "5", name, env=self.env, check=False)
-        for volume in self.volumes:
+        for volume in self.volumes + [v for pod in self.pods if pod.name in self.played
+                                      for v in podman_play.empty_dirs(pod)]:
             podman("volume", "rm", "--force", volume, env=self.env, check=False)
         if self.network_made:
             podman("network", "rm", "--force", NETWORK, env=self.env, check=False)
@@ -303,11 +304,16 @@ def check(env: dict[str, str], report: dict[str, Any]) -> None:
         cluster.down()
 
 
-def remove_images(env: dict[str, str]) -> None:
-    for tag, _ in IMAGES.values():
+def image_ids(env: dict[str, str]) -> set[str]:
+    return set(podman("images", "--all", "--quiet", "--no-trunc", env=env).stdout.split())
+
+
+def remove_images(env: dict[str, str], before: set[str]) -> None:
+    """Our tags, then every image (stages, base) that was not there before the build."""
+    for tag in [tag for tag, _ in IMAGES.values()] + [BASE_IMAGE]:
         podman("rmi", "--force", tag, env=env, check=False)
-    podman("rmi", "--force", BASE_IMAGE, env=env, check=False)
-    podman("image", "prune", "--force", env=env, check=False)
+    for image in image_ids(env) - before:
+        podman("rmi", "--force", image, env=env, check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     try:
         env = choose_runtime()
+        before = image_ids(env)
         report["images"] = build_images(env)
         if args.command == "check":
             try:
@@ -326,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 check(env, report)
             finally:
                 if not args.keep_images:
-                    remove_images(env)
+                    remove_images(env, before)
     except Skip as exc:
         if args.command == "images":
             print(f"images: {exc}", file=sys.stderr)

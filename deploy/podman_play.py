@@ -99,6 +99,23 @@ def _pod_names(doc: Doc) -> list[str]:
     return [f"{name}-{i}" for i in range(replicas)]
 
 
+def _own_empty_dirs(pod: str, spec: Doc) -> None:
+    """podman 4 keeps an emptyDir as a named volume of the volume's name, shared by every pod
+    that names one alike and kept after them: give each pod its own, named ``POD-VOLUME``."""
+    renamed = {}
+    for volume in spec.get("volumes", []):
+        if "emptyDir" in volume:
+            renamed[volume["name"]] = volume["name"] = f"{pod}-{volume['name']}"
+    for container in spec.get("initContainers", []) + spec.get("containers", []):
+        for mount in container.get("volumeMounts", []):
+            mount["name"] = renamed.get(mount["name"], mount["name"])
+
+
+def empty_dirs(pod: PlayPod) -> list[str]:
+    """The volumes podman makes for a played pod's emptyDirs, to remove with it."""
+    return [v["name"] for v in pod.doc["spec"].get("volumes", []) if "emptyDir" in v]
+
+
 def pods_to_play(docs: list[Doc]) -> list[PlayPod]:
     """Every workload's pods as plain Pod documents, probes and lifecycle hooks lifted off."""
     pods = []
@@ -121,6 +138,7 @@ def pods_to_play(docs: list[Doc]) -> list[PlayPod]:
                 container.pop("lifecycle", None)
                 # podman 4 publishes every containerPort on the host; pods reach each other by address.
                 container.pop("ports", None)
+            _own_empty_dirs(name, spec)
             labels = dict(template.get("metadata", {}).get("labels", {}))
             pod = {"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": name, "labels": labels,

@@ -129,3 +129,14 @@ def test_metric_total_sums_matching_samples() -> None:
     assert play.metric_total(text, "nv_inference_request_success", model="simple") == 10.0
     assert play.metric_total(text, "nv_inference_request_success") == 110.0
     assert play.metric_total(text, "nv_inference_exec_count", model="simple") == 0.0
+
+
+def test_each_pod_gets_its_own_empty_dirs(docs: list[dict[str, Any]]) -> None:
+    pods = {p.name: p for p in play.pods_to_play(docs)}
+    assert play.empty_dirs(pods["infergate-worker-0"]) == ["infergate-worker-0-tmp"]
+    assert play.empty_dirs(pods["infergate-gateway-1"]) == ["infergate-gateway-1-tmp"]
+    mounts = {m["mountPath"]: m["name"] for m in pods["infergate-worker-1"].doc["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/tmp"] == "infergate-worker-1-tmp"
+    # The config volume is the ConfigMap's, shared as in a cluster.
+    gateway_mounts = {m["mountPath"]: m["name"] for m in pods["infergate-gateway-0"].doc["spec"]["containers"][0]["volumeMounts"]}
+    assert gateway_mounts["/etc/infergate"] == "config"
