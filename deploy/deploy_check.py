@@ -125,6 +125,10 @@ class Cluster:
         self.volumes: list[str] = []
 
     def play(self, tmp: Path) -> None:
+        # What an interrupted earlier run left (same names: ours) goes first.
+        for pod in self.pods:
+            podman("pod", "rm", "--force", "--time", "0", pod.name, env=self.env, check=False)
+        podman("network", "rm", "--force", NETWORK, env=self.env, check=False)
         podman("network", "create", NETWORK, env=self.env)
         self.network_made = True
         config_maps = podman_play.config_maps(self.docs)
