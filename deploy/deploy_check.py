@@ -62,6 +62,10 @@ def choose_runtime() -> dict[str, str]:
     if not shutil.which("podman"):
         raise Skip("podman is not installed")
     probe_image = podman("image", "exists", BASE_IMAGE, check=False).returncode == 0
+    if not probe_image:
+        missing = [tool for tool in ("debootstrap",) if not shutil.which(tool)]
+        if os.geteuid() != 0 or missing:
+            raise Skip(f"the local base image needs root and debootstrap (missing: {missing or 'root'})")
     errors = []
     for extra in ({}, {"CONTAINERS_CONF": str(DEPLOY / "local" / "containers.conf")}):
         env = {**os.environ, **extra}
