@@ -28,7 +28,7 @@ def image_config(image: str) -> dict[str, Any]:
     out = subprocess.run(["podman", "image", "inspect", image], check=True, text=True, capture_output=True).stdout
     [info] = json.loads(out)
     config = dict(info.get("Config") or {})
-    config["Healthcheck"] = info.get("HealthCheck") or config.get("Healthcheck")
+    config["Healthcheck"] = info.get("Healthcheck") or info.get("HealthCheck") or config.get("Healthcheck")
     return config
 
 
