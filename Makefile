@@ -13,7 +13,7 @@ GRPC_PORT ?= 8001
 PYTEST_ARGS ?=
 UP_ARGS ?=
 
-.PHONY: install models up test bench k8s-check browser clean
+.PHONY: install models up test bench k8s-check images deploy-check browser clean
 
 install: $(STAMP) $(MODELS_STAMP)
 
@@ -40,6 +40,17 @@ browser:
 
 k8s-check: $(STAMP)
 	$(PY) deploy/k8s_check.py
+
+# Both images built with podman from deploy/docker/*.Dockerfile on a Debian base
+# made here (debootstrap; needs root); users build the same files on python:3.x-slim.
+images: $(STAMP)
+	$(PY) deploy/deploy_check.py images
+
+# Not part of `make test`: builds the images, plays deploy/k8s with podman, sends
+# requests, kills a worker, removes everything it made. Skips (exit 0) where podman
+# cannot start containers.
+deploy-check: $(STAMP) $(MODELS_STAMP)
+	$(PY) deploy/deploy_check.py check
 
 test: install browser
 	$(PY) deploy/k8s_check.py
