@@ -33,6 +33,7 @@ class ModelCatalog:
         self._fleet = parts.fleet
         self._ensembles = parts.ensembles
         self._default_timeout_s = parts.config.default_timeout_s
+        self._cluster_join_wait_s = parts.config.probe.timeout_s  # a joining worker's first probe, at most
 
     def model(self, name: str, version: str = "") -> tuple[Any, str]:
         """The model's info and the version meant; ``ModelNotFound`` or (no healthy replica) ``Unavailable``."""
@@ -57,7 +58,16 @@ class ModelCatalog:
         placed on request (declared with replicas, or ``load_on_demand``)."""
         try:
             return self.model(name, version)
-        except (ModelNotFound, Unavailable):
+        except ModelNotFound:
+            # A worker joining now (registered with another process, say) may bring it: wait for its probe.
+            if await self._cluster.joined(min(self._default_timeout_s, self._cluster_join_wait_s)):
+                try:
+                    return self.model(name, version)
+                except (ModelNotFound, Unavailable):
+                    pass
+            if not self._fleet.placement.can_load(name):
+                raise
+        except Unavailable:
             if not self._fleet.placement.can_load(name):
                 raise
         await self._fleet.placement.ensure(name, timeout_us / 1e6 if timeout_us else self._default_timeout_s)

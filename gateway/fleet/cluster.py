@@ -79,6 +79,8 @@ class Cluster:
             if spec.address not in self._workers:
                 self._workers[spec.address] = WorkerState(spec, client_factory(spec))
         self._models: dict[str, ModelInfo] = {}
+        # First probes of workers joining now: until one ends, that worker's models are not known yet.
+        self._joining: set[asyncio.Task[None]] = set()
         self._listeners: list[ChangeListener] = []
         self._task: asyncio.Task[None] | None = None
         # A probe's timeout counts the loop's time only, not its stalls (gateway.fleet.probe_deadline).
@@ -195,8 +197,22 @@ class Cluster:
         worker = WorkerState(spec, self._client_factory(spec))
         self._workers[spec.address] = worker
         log.info("worker %s (%s) added", spec.address, spec.kind)
-        await self._probe(worker, force=True)
+        probe = asyncio.ensure_future(self._probe(worker, force=True))
+        self._joining.add(probe)
+        probe.add_done_callback(self._joining.discard)
+        await asyncio.shield(probe)
         return worker
+
+    async def joined(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) for the first probes of workers joining now; True when there were any.
+
+        A worker registered through another gateway process is listed here before its
+        models are: a request for a model it brings waits for that, not "unknown model".
+        """
+        if not self._joining:
+            return False
+        await asyncio.wait(set(self._joining), timeout=max(0.0, timeout_s))
+        return True
 
     async def remove_worker(self, address: str, grace_s: float | None = 5.0) -> bool:
         """Forget a worker; calls already on its channel get ``grace_s`` to finish."""
