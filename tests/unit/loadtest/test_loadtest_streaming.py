@@ -204,7 +204,7 @@ def _result() -> Any:
 
     window = StreamWindow(duration_s=2.0)
     window.add(StreamRecord(0.0, [0.010, 0.012, 0.014], done_s=0.015))
-    return StreamBenchResult("square_int32", "", "grpc", "localhost:8001",
+    return StreamBenchResult("square_int32", "", "grpc", "gateway-address",
                              (stream_level_result(1, window, stable=True, windows=1),))
 
 
