@@ -58,6 +58,7 @@ from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats
 from gateway.observability.trace_settings import TraceConfig, TraceSettings, trace_config
 from gateway.observability.tracing import RequestTracing
+from gateway.parallel.generation import SplitDecoders
 from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
 from gateway.requests.shared_memory import SharedMemoryRegistry
@@ -143,13 +144,15 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     trace = trace_config(config)
     settings = (seams.trace_settings(trace, known_model) if seams.trace_settings is not None
                 else TraceSettings(trace, known_model=known_model))
+    # Logical models split across workers (config `models.<name>.from/path`).
+    parallel = ParallelModels(config, cluster, router)
     parts = GatewayParts(
         config=config,
         cluster=cluster,
         router=router,
         admission=Admission(config.admission),
-        # Logical models split across workers (config `models.<name>.from/path`).
-        parallel=ParallelModels(config, cluster, router),
+        parallel=parallel,
+        decoders=SplitDecoders(parallel),
         fleet=Fleet(config, cluster, token=worker_token(config), placement=seams.placement),
         batchers=Batchers(batch_policy_for(config)),
         stats=GatewayStats(),
@@ -164,7 +167,7 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         control=seams.control,
     )
     models = ModelCatalog(parts)
-    streaming = StreamPath(parts, PrefixStreamRouting(parts.router), parts.streams)
+    streaming = StreamPath(parts, PrefixStreamRouting(parts.router, in_process=parts.decoders), parts.streams)
     gateway = Gateway(parts, models, RequestPipeline(parts, models, streaming))
     return gateway
 

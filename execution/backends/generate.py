@@ -7,7 +7,7 @@ when an input is absent, request parameters of the same names; the request
 parameter ``ignore_eos`` makes a generation run to ``max_tokens``), the byte
 vocabulary (ids 0-255 are bytes; ``bos_token_id``, ``eos_token_id``,
 ``pad_token_id`` from the config's ``parameters``), and running one padded
-decoder step in ONNX Runtime (:class:`OnnxDecoderStep`). Scheduling the
+decoder step (:class:`DecoderStep`: ONNX Runtime here, a split decoder's shards on a gateway). Scheduling the
 steps is ``generate_scheduler``'s: each instance owns one :class:`Scheduler`,
 and every request of the instance joins its running batch. ONNX Runtime runs
 on the instance's own thread, never on the event loop.
@@ -60,17 +60,36 @@ DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
 _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
-class OnnxDecoderStep:
-    """One decoder step over rows of different lengths: new tokens padded to the longest, caches to the longest."""
+RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
 
-    def __init__(self, session: ort.InferenceSession, model: str, pad_id: int) -> None:
-        self._session = session
+
+class DecoderStep:
+    """One decoder step over rows of different lengths: new tokens padded to the longest, caches to the longest.
+
+    ``run(output_names, feeds)`` runs the step graph itself: an ONNX Runtime
+    session here (:meth:`onnx`), the shards of a split decoder on a gateway.
+    It is called on the instance's thread, never on the event loop.
+    """
+
+    def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int) -> None:
+        self._run = run
         self._model = model
         self._pad_id = pad_id
-        past = [i for i in session.get_inputs() if i.name.startswith("past_key_")]
-        self.layers = len(past)
-        self.heads, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self._outputs = ["logits"] + [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
+
+    @classmethod
+    def onnx(cls, session: ort.InferenceSession, model: str, pad_id: int) -> "DecoderStep":
+        past = [i for i in session.get_inputs() if i.name.startswith("past_key_")]
+        run = session.run
+
+        def run_session(outputs: list[str], feeds: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
+            try:
+                return run(outputs, feeds)
+            except Exception as exc:  # ONNX Runtime's status exceptions
+                raise classify_run_error(exc, model) from None
+
+        return cls(run_session, model, pad_id, len(past), int(past[0].shape[1]), int(past[0].shape[3]))
 
     @property
     def cache_bytes_per_token(self) -> int:
@@ -99,10 +118,7 @@ class OnnxDecoderStep:
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         for layer in range(self.layers):
             feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = pasts[2 * layer], pasts[2 * layer + 1]
-        try:
-            logits, *presents = self._session.run(self._outputs, feeds)
-        except Exception as exc:  # ONNX Runtime's status exceptions
-            raise classify_run_error(exc, self._model) from None
+        logits, *presents = self._run(self._outputs, feeds)
         fresh = np.stack([p[:, :, past:] for p in presents], axis=1)  # [B, 2 * layers, H, new, Dh]
         results: list[tuple[np.ndarray, object]] = []
         for b, row in enumerate(rows):
@@ -111,11 +127,11 @@ class OnnxDecoderStep:
             cache = row.cache if row.cache is not None else np.empty(
                 (2 * self.layers, self.heads, max(row.capacity, row.position + n), self.head_dim), dtype=np.float32)
             cache[:, :, row.position:row.position + n] = fresh[b, :, :, :n]  # type: ignore[index]
-            results.append((logits[b, n - 1], cache))
+            results.append((np.array(logits[b, n - 1]), cache))  # a copy the scheduler may change
         return results
 
 
-def _parameter(config: mc.ModelConfig, key: str, default: int) -> int:
+def int_parameter(config: mc.ModelConfig, key: str, default: int) -> int:
     param = config.parameters.get(key)
     if param is None or not param.string_value:
         return default
@@ -171,22 +187,21 @@ def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, o
 class GenerateInstance:
     """One decoder session and the scheduler that batches every request sent to it."""
 
-    def __init__(self, session: ort.InferenceSession, config: mc.ModelConfig, placement: Placement) -> None:
+    def __init__(self, step: DecoderStep, config: mc.ModelConfig, placement: Placement) -> None:
         self.placement = placement
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{config.name}")
-        step = OnnxDecoderStep(session, config.name, _parameter(config, "pad_token_id", 0))
-        self._bos = _parameter(config, "bos_token_id", -1)
-        eos = _parameter(config, "eos_token_id", -1)
+        self._bos = int_parameter(config, "bos_token_id", -1)
+        eos = int_parameter(config, "eos_token_id", -1)
         limits = SchedulerLimits(
-            max_sequences=_parameter(config, "max_sequences", DEFAULT_MAX_SEQUENCES),
-            max_cache_bytes=_parameter(config, "max_cache_bytes", DEFAULT_MAX_CACHE_BYTES),
+            max_sequences=int_parameter(config, "max_sequences", DEFAULT_MAX_SEQUENCES),
+            max_cache_bytes=int_parameter(config, "max_cache_bytes", DEFAULT_MAX_CACHE_BYTES),
             cache_bytes_per_token=step.cache_bytes_per_token,
-            max_positions=_parameter(config, "max_positions", 1 << 30),
-            max_batch_sequences=_parameter(config, "max_batch_sequences", 0),
+            max_positions=int_parameter(config, "max_positions", 1 << 30),
+            max_batch_sequences=int_parameter(config, "max_batch_sequences", 0),
         )
         if limits.max_sequences < 1 or limits.max_cache_bytes < 1:
             raise InvalidArgument(f"model '{config.name}': max_sequences and max_cache_bytes must be positive")
-        banned = [t for t in (self._bos, _parameter(config, "pad_token_id", -1)) if t >= 0]
+        banned = [t for t in (self._bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
         self.scheduler = Scheduler(config.name, limits, step, self._offload, eos_id=eos, banned=banned)
 
     async def _offload(self, call: Callable[[], list[tuple[np.ndarray, object]]]) -> list[tuple[np.ndarray, object]]:
@@ -278,7 +293,8 @@ class GenerateBackend:
         if not any(i.name == "past_key_0" for i in session.get_inputs()):
             raise InvalidArgument(f"model '{config.name}': {path.name} is not a decoder step (no past_key_0 input)")
         logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
-        return GenerateInstance(session, config, placement)
+        step = DecoderStep.onnx(session, config.name, int_parameter(config, "pad_token_id", 0))
+        return GenerateInstance(step, config, placement)
 
     def close(self) -> None:
         pass

@@ -100,6 +100,7 @@ class Gateway:
         # Open streams end (within the grace) before the workers' channels close under them.
         await self.pipeline.streaming.wait_closed(until - loop.time())
         await self.fleet.stop()
+        self.parts.decoders.close()
         await self.parallel.stop()
         self.sequences.close()
         await self.cluster.stop()

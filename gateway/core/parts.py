@@ -33,6 +33,7 @@ from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats
 from gateway.observability.streams import StreamStats
 from gateway.observability.tracing import RequestTracing
+from gateway.parallel.generation import SplitDecoders
 from gateway.parallel.serving import ParallelModels
 from gateway.requests.classification import LabelFiles
 from gateway.routing.router import Router
@@ -89,6 +90,7 @@ class GatewayParts:
     router: Router
     admission: Admission  # gateway-wide bounds on admitted requests (requests and bytes in flight)
     parallel: ParallelModels  # logical models split across workers: their batches run through plans
+    decoders: SplitDecoders  # split generation models: their decoding loops run here, their steps as plans
     fleet: Fleet  # membership beyond the static list, placement and model lifecycle
     batchers: Batchers  # one batcher per (model, version), made on its first request
     stats: GatewayStats

@@ -15,23 +15,29 @@ which cancels the request at the model.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.answers import as_error
 from execution.decoupled import serve_decoupled
-from execution.manager import ModelManager
+from execution.model import LoadedModel
 from protos.errors import DeadlineExceeded, InvalidArgument
 
 _Message = service_pb2.ModelStreamInferResponse | Any  # or grpc.aio.EOF
 
 
+class ModelLookup(Protocol):
+    """Where a local call finds its model: the local replica's model manager, or a gateway's split decoders."""
+
+    def get(self, name: str, version: str = "") -> LoadedModel: ...
+
+
 class LocalStreamCall:
     """The in-process counterpart of one ``ModelStreamInfer`` call carrying one request."""
 
-    def __init__(self, manager: ModelManager, timeout_s: float | None, where: str) -> None:
+    def __init__(self, manager: ModelLookup, timeout_s: float | None, where: str) -> None:
         self._manager = manager
         self._where = where
         loop = asyncio.get_running_loop()

@@ -41,6 +41,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.fleet.cluster import ModelInfo
+from gateway.parallel.decoder_source import generation_signature, is_generation_source
 from gateway.settings import ConfigError
 from splitter.plan import Plan
 from splitter.sizes import InputHints, load_values, parse_dims
@@ -172,7 +173,11 @@ def signature(
     """The logical model's config and metadata: its source's signature under its own name."""
     config = model_config_pb2.ModelConfig()
     metadata = service_pb2.ModelMetadataResponse()
-    if served_source is not None:
+    if is_generation_source(repo_config):
+        # Its shards run the decoder step; the gateway generates (gateway.parallel.generation).
+        assert repo_config is not None
+        config, metadata = generation_signature(spec.name, repo_config)
+    elif served_source is not None:
         config.CopyFrom(served_source.config)
         metadata.CopyFrom(served_source.metadata)
     else:
@@ -195,7 +200,8 @@ def signature(
                 meta.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
     if spec.max_batch_size is not None and config.max_batch_size > 0:
         config.max_batch_size = spec.max_batch_size
-    _check_tensors(spec, plan, metadata)
+    if not is_generation_source(repo_config):
+        _check_tensors(spec, plan, metadata)
     config.name = spec.name
     config.platform = PLATFORM
     config.backend = ""

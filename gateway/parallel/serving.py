@@ -44,11 +44,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.assembly import Sender
 from gateway.fleet.cluster import Cluster, ModelInfo
+from gateway.parallel.decoder_source import decoder_hints, is_generation_source
 from gateway.parallel.logical import (
     VERSION,
     LogicalSpec,
@@ -62,12 +64,14 @@ from gateway.parallel.placement import SlotKey
 from gateway.parallel.remote import (
     RemoteShards,
     arrays_from_request,
+    arrays_from_response,
     needed_outputs,
     response_from_arrays,
 )
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
 from gateway.settings import GatewayConfig
+from protos import codec
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 from splitter.execute import PlanExecutor
@@ -195,6 +199,19 @@ class ParallelModels:
         finally:
             served.inflight -= 1
             served.wake()
+
+    async def run_arrays(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                         deadline: float | None) -> list[np.ndarray]:
+        """One run of ``model``'s plan on arrays (a split decoder's step): ``outputs`` in that order."""
+        request = service_pb2.ModelInferRequest(model_name=model, id=f"{model}-step")
+        for name, array in inputs.items():
+            datatype, shape, raw = codec.encode(array)
+            request.inputs.add(name=name, datatype=datatype, shape=shape)
+            request.raw_input_contents.append(raw)
+        for name in outputs:
+            request.outputs.add(name=name)
+        answer = arrays_from_response(await self.infer(model, "", request, deadline))
+        return [answer[name] for name in outputs]
 
     async def _run(
         self, served: ServedModel, version: str, request: service_pb2.ModelInferRequest, deadline: float | None
@@ -342,8 +359,11 @@ class ParallelModels:
     def _split(spec: LogicalSpec, source: bytes, repo_config: model_config_pb2.ModelConfig | None) -> LayoutSplit:
         model = onnx.load_from_string(source)
         declared = config_shapes(repo_config) if repo_config is not None else None
+        hints = spec.hints()
+        if not hints and is_generation_source(repo_config):
+            hints = decoder_hints(model)
         return split_layout(model, spec.tensor_parallel, spec.pipeline_parallel, name=spec.name,
-                            hints=spec.hints(), declared=declared)
+                            hints=hints, declared=declared)
 
     # ---- placement -------------------------------------------------------------
 

@@ -155,8 +155,9 @@ def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None
 class PrefixStreamRouting(StreamRouting):
     """Stream routing that hands the prompt's prefix key to the replica choice (:class:`PrefixAffinity`)."""
 
-    def __init__(self, router: Router, prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
-        super().__init__(router)
+    def __init__(self, router: Router, prefix_bytes: int = DEFAULT_PREFIX_BYTES,
+                 in_process: InProcessStreams | None = None) -> None:
+        super().__init__(router, in_process)
         self._prefix_bytes = prefix_bytes
 
     async def stream(

@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import WorkerState
-from gateway.fleet.stream_call import stream_responses
+from gateway.fleet.stream_call import StreamingClient, stream_responses
 from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
 from gateway.routing.router import MAX_CALL_TIMEOUT_S, Router
 from protos.errors import DeadlineExceeded, ModelNotFound, Unavailable
@@ -38,16 +39,28 @@ class StreamLost(Unavailable):
     """The worker serving a stream was lost after it had sent responses: the stream ends here."""
 
 
-class StreamRouting:
-    """Streams of decoupled models over the router's replicas."""
+class InProcessStreams(StreamingClient, Protocol):
+    """Models whose streams the gateway serves itself, not on a replica (split decoders)."""
 
-    def __init__(self, router: Router) -> None:
+    def serves(self, name: str) -> bool: ...
+
+
+class StreamRouting:
+    """Streams of decoupled models over the router's replicas (or ``in_process``, for the models it serves)."""
+
+    def __init__(self, router: Router, in_process: InProcessStreams | None = None) -> None:
         self._router = router
+        self._in_process = in_process
 
     async def stream(
         self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None,
     ) -> AsyncIterator[tuple[service_pb2.ModelInferResponse, float]]:
         """Each response of ``request`` with its arrival time; the last one is final. Close it when done."""
+        if self._in_process is not None and self._in_process.serves(model):
+            async with aclosing(stream_responses(self._in_process, request, self._timeout(model, deadline))) as rs:
+                async for item in rs:
+                    yield item
+            return
         router = self._router
         tried: set[WorkerState] = set()
         attempts = 0
