@@ -151,20 +151,29 @@ def try_request(models: Mapping[str, ModelInfo], base_url: str) -> str:
     """The banner's suggestion: an inference request for a model that is served.
 
     A model with small inputs gets a ready-to-run ``curl`` of its ``/infer``
-    (dynamic dims as 1, zeros as data); a larger one its metadata. With no
-    model served, the repository index.
+    (dynamic dims as 1, zeros as data, optional inputs left out); a larger
+    one its metadata. A decoupled model (only when nothing else is served)
+    gets a ``/generate_stream`` of its required inputs. With no model served,
+    the repository index.
     """
     if not models:
         return f"  no model is served yet; see the repository: curl -s -X POST {base_url}/v2/repository/index"
-    name = next((m for m in _PREFERRED_EXAMPLES if m in models), min(models))
+    unary = [m for m in models if not models[m].config.model_transaction_policy.decoupled]
+    name = next((m for m in _PREFERRED_EXAMPLES if m in models), min(unary or models))
+    optional = {t.name for t in models[name].config.input if t.optional}
     inputs = []
     for tensor in models[name].metadata.inputs:
+        if tensor.name in optional:
+            continue
         shape = [d if d > 0 else 1 for d in tensor.shape]
         count = math.prod(shape)
         if count > _MAX_EXAMPLE_ELEMENTS:
             return f"  try: curl -s {base_url}/v2/models/{name}"
         value = _EXAMPLE_VALUE.get(tensor.datatype, 0)
         inputs.append({"name": tensor.name, "shape": shape, "datatype": tensor.datatype, "data": [value] * count})
+    if models[name].config.model_transaction_policy.decoupled:
+        fields = {i["name"]: i["data"][0] for i in inputs}
+        return f"  try: curl -sN -d '{json.dumps(fields, separators=(',', ':'))}' {base_url}/v2/models/{name}/generate_stream"
     body = json.dumps({"inputs": inputs}, separators=(",", ":"))
     return f"  try: curl -s -d '{body}' {base_url}/v2/models/{name}/infer"
 

@@ -45,3 +45,19 @@ def test_prefers_the_example_model_and_falls_back_to_metadata_for_large_inputs()
 
 def test_with_no_model_served_suggests_the_repository_index() -> None:
     assert "v2/repository/index" in try_request({}, URL)
+
+
+def test_skips_optional_inputs_and_prefers_a_model_that_answers_once() -> None:
+    config = model_config_pb2.ModelConfig(name="lm")
+    config.model_transaction_policy.decoupled = True
+    config.input.add(name="text_input")
+    config.input.add(name="max_tokens", optional=True)
+    lm = info("lm", ("text_input", "BYTES", [1]), ("max_tokens", "INT32", [1]))
+    lm = ModelInfo("lm", ("1",), config, lm.metadata, ())
+    scorer = info("scorer", ("X", "FP32", [-1, 2]))
+    assert body(try_request({"lm": lm, "scorer": scorer}, URL))[1] == f"{URL}/v2/models/scorer/infer"
+    line = try_request({"lm": lm}, URL)
+    match = re.fullmatch(r"  try: curl -sN -d '(.*)' (\S+)", line)
+    assert match, line
+    assert json.loads(match.group(1)) == {"text_input": "text"}
+    assert match.group(2) == f"{URL}/v2/models/lm/generate_stream"
