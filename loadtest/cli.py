@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loadtest.config import (
     BenchConfig,
@@ -26,6 +28,10 @@ from loadtest.config import (
     parse_shape,
     parse_warmup,
 )
+
+if TYPE_CHECKING:
+    from loadtest.report import BenchResult
+    from loadtest.stream_report import StreamBenchResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,16 +146,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"infergate bench: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))
-    try:
-        write_outputs(result, csv_path=args.csv, json_path=args.json, plot_path=args.plot)
-    except OSError as exc:
-        print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
-        return 2
-    if result.interrupted:
-        return 130
-    if result.levels and all(lv.requests == 0 and lv.error_count > 0 for lv in result.levels):
-        return 1
-    return 0
+    return _finish(result, lambda: write_outputs(result, csv_path=args.csv, json_path=args.json,
+                                                plot_path=args.plot))
 
 
 def _run_streaming(config: BenchConfig, args: argparse.Namespace) -> int:
@@ -162,16 +160,7 @@ def _run_streaming(config: BenchConfig, args: argparse.Namespace) -> int:
           f"streams {', '.join(str(c) for c in config.concurrency)}", file=sys.stderr)
     result = run_stream_bench(config)
     print(format_stream_table(result))
-    try:
-        write_stream_outputs(result, csv_path=args.csv, json_path=args.json)
-    except OSError as exc:
-        print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
-        return 2
-    if result.interrupted:
-        return 130
-    if result.levels and all(lv.requests == 0 and lv.error_count > 0 for lv in result.levels):
-        return 1
-    return 0
+    return _finish(result, lambda: write_stream_outputs(result, csv_path=args.csv, json_path=args.json))
 
 
 def _run_generate(config: BenchConfig, args: argparse.Namespace) -> int:
@@ -188,10 +177,20 @@ def _run_generate(config: BenchConfig, args: argparse.Namespace) -> int:
           f"streams {', '.join(str(c) for c in config.concurrency)}", file=sys.stderr)
     result = run_stream_bench(config, client_factory=make_gen_client, payloads=gen_requests(config))
     print(format_gen_table(result))
-    try:
+
+    def write() -> None:
         write_stream_outputs(result, csv_path=args.csv, json_path=None)
         if args.json:
             Path(args.json).write_bytes(orjson.dumps(gen_json(result), option=orjson.OPT_INDENT_2))
+
+    return _finish(result, write)
+
+
+def _finish(result: BenchResult | StreamBenchResult, write: Callable[[], None]) -> int:
+    """Writes the result files; the exit status: 2 when they cannot be written, 130 after Ctrl-C,
+    1 when requests failed at every level, else 0."""
+    try:
+        write()
     except OSError as exc:
         print(f"infergate bench: cannot write results: {exc}", file=sys.stderr)
         return 2

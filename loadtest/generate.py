@@ -13,16 +13,19 @@ token, so its statistics read as genai-perf's:
 - output tokens/s and requests/s: tokens and completed requests of the
   measured span, over it.
 
-Three clients, one per ``-i``: ``grpc`` (``ModelStreamInfer``, the
-contract's inputs ``text_input`` and ``max_tokens``), ``http`` (the generate
-extension's ``generate_stream``) and ``openai`` (``/v1/completions`` with
-``stream: true``, each chunk with text one token; chunk parsing is
-``loadtest.openai_stream``'s).
+The timed stream clients are ``loadtest.stream_clients``'; this module owns
+what is generation's own: the requests, what counts as a token, the report.
+One client per ``-i``: ``grpc`` (``ModelStreamInfer``, the contract's inputs
+``text_input`` and ``max_tokens``; each response with outputs a token),
+``http`` (the generate extension's ``generate_stream``; each event with
+``text_output`` a token) and ``openai`` (``/v1/completions`` with
+``stream: true``, each chunk with text one token; the body and chunk parsing
+are ``loadtest.openai_stream``'s).
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import math
 import random
 import struct
@@ -36,20 +39,21 @@ from tritonclient.grpc import service_pb2
 
 from loadtest.config import BenchConfig, Protocol
 from loadtest.inputs import ModelSignature
+from loadtest.openai_stream import completion_body
 from loadtest.openai_stream import parse_event as parse_openai_event
 from loadtest.stream_clients import (
-    _EMPTY_FINAL,
+    EMPTY_FINAL,
     Clock,
-    EventLines,
+    FirstErrors,
     GrpcStreamClient,
     HttpStreamClient,
-    HttpStreamSlot,
+    SseStreamSlot,
     StreamBenchClient,
-    _FirstSeen,
-    parse_event,
+    StreamEvent,
+    generate_events,
 )
 from loadtest.stream_report import StreamBenchResult
-from loadtest.streaming import Percentiles, StreamLevelResult, StreamRecord
+from loadtest.streaming import Percentiles, StreamLevelResult
 
 TEXT_OUTPUT = "text_output"
 PROMPTS = 64  # distinct prompts per run, taken in turn
@@ -78,7 +82,7 @@ def grpc_gen_request(model: str, version: str, req: GenRequest) -> bytes:
     request.raw_input_contents.append(struct.pack("<I", len(req.prompt)) + req.prompt)
     request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
     request.raw_input_contents.append(struct.pack("<i", req.max_tokens))
-    request.parameters[_EMPTY_FINAL].bool_param = True
+    request.parameters[EMPTY_FINAL].bool_param = True
     request.parameters["ignore_eos"].bool_param = True
     return request.SerializeToString()
 
@@ -90,100 +94,26 @@ def http_gen_request(req: GenRequest) -> bytes:
 
 
 def openai_gen_request(model: str, req: GenRequest) -> bytes:
-    """A streamed ``/v1/completions`` body of one generation."""
-    return orjson.dumps({"model": model, "prompt": req.prompt.decode(), "max_tokens": req.max_tokens,
-                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                         "temperature": 0})
+    """A streamed ``/v1/completions`` body of one generation (greedy, ``ignore_eos``)."""
+    return completion_body(model, req.prompt.decode(), req.max_tokens, ignore_eos=True, temperature=0)
 
 
-class GrpcGenClient(GrpcStreamClient):
-    def prepare(self, payload: Any) -> bytes:
-        return grpc_gen_request(self._config.model, self._config.model_version, payload)
+def is_token_event(doc: dict[str, Any]) -> bool:
+    """A ``generate_stream`` event with ``text_output`` is a token (the last one carries only counts)."""
+    return TEXT_OUTPUT in doc
 
 
-class HttpGenSlot(HttpStreamSlot):
-    """A ``generate_stream`` request: each event with ``text_output`` is a token (the last one carries only counts)."""
-
-    async def _read_events(self, resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
-        lines = EventLines()
-        async for chunk in resp.content.iter_any():
-            now = self._clock()
-            for line in lines.feed(chunk):
-                doc = parse_event(line)
-                if doc is None:
-                    continue
-                if "error" in doc:
-                    record.error = self._errors("stream error", str(doc["error"]))
-                    return
-                if TEXT_OUTPUT in doc:
-                    record.arrivals_s.append(now)
-
-
-class HttpGenClient(HttpStreamClient):
-    def prepare(self, payload: Any) -> bytes:
-        return http_gen_request(payload)
-
-    def open(self) -> HttpGenSlot:
-        return HttpGenSlot(self._unary.session, self._url, self._clock, self._errors)
-
-
-class OpenAISlot:
-    """One streamed completion at a time; each chunk with text is a token.
+def openai_token_event(line: bytes) -> StreamEvent | None:
+    """A completion chunk with text is a token; the usage chunk counts the tokens.
 
     A chunk may carry more than one token (bytes of an unfinished UTF-8
     character wait for the rest): the tokens the usage chunk counts beyond
     the chunks are taken as arriving with the last one, as genai-perf's
     mean inter-token latency over the request would have them."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, clock: Clock, errors: _FirstSeen) -> None:
-        self._session = session
-        self._url = url
-        self._clock = clock
-        self._errors = errors
-
-    async def send(self, prepared: bytes, record: StreamRecord) -> None:
-        try:
-            async with self._session.post(self._url, data=prepared,
-                                          headers={"Content-Type": "application/json"}) as resp:
-                if resp.status != 200:
-                    detail = (await resp.read())[:300].decode(errors="replace")
-                    record.error = self._errors(f"HTTP {resp.status}", detail)
-                else:
-                    await self._read_chunks(resp, record)
-        except asyncio.TimeoutError:
-            record.error = "timeout"
-        except aiohttp.ClientError as exc:
-            record.error = self._errors("connection", f"{exc.__class__.__name__}: {exc}")
-        record.done_s = self._clock()
-
-    async def _read_chunks(self, resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
-        lines = EventLines()
-        usage: int | None = None
-        async for chunk in resp.content.iter_any():
-            now = self._clock()
-            for line in lines.feed(chunk):
-                event = parse_openai_event(line)
-                if event is None:
-                    continue
-                if event.error is not None:
-                    record.error = self._errors("stream error", event.error)
-                    return
-                if event.done:
-                    break
-                if event.text:
-                    record.arrivals_s.append(now)
-                if event.usage_tokens is not None:
-                    usage = event.usage_tokens
-        add_merged_tokens(record, usage)
-
-    async def close(self) -> None:
+    event = parse_openai_event(line)
+    if event is None:
         return None
-
-
-def add_merged_tokens(record: StreamRecord, tokens: int | None) -> None:
-    """Tokens the server counted beyond the chunks seen arrive with the last chunk."""
-    if tokens is not None and record.arrivals_s and tokens > len(record.arrivals_s):
-        record.arrivals_s.extend([record.arrivals_s[-1]] * (tokens - len(record.arrivals_s)))
+    return StreamEvent(response=bool(event.text), error=event.error, done=event.done, counted=event.usage_tokens)
 
 
 class OpenAIGenClient:
@@ -193,7 +123,7 @@ class OpenAIGenClient:
         self._config = config
         self._url = f"http://{config.url}/v1/completions"
         self._clock = clock
-        self._errors = _FirstSeen()
+        self._errors = FirstErrors()
         headers = {k: v for k, v in config.headers}
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
                                               timeout=aiohttp.ClientTimeout(total=config.timeout_s))
@@ -204,8 +134,8 @@ class OpenAIGenClient:
     def prepare(self, payload: Any) -> bytes:
         return openai_gen_request(self._config.model, payload)
 
-    def open(self) -> OpenAISlot:
-        return OpenAISlot(self._session, self._url, self._clock, self._errors)
+    def open(self) -> SseStreamSlot:
+        return SseStreamSlot(self._session, self._url, openai_token_event, self._clock, self._errors)
 
     async def close(self) -> None:
         await self._session.close()
@@ -214,10 +144,10 @@ class OpenAIGenClient:
 def make_gen_client(config: BenchConfig) -> StreamBenchClient:
     """The generation client of the configured protocol; create it inside the loop that uses it."""
     if config.protocol is Protocol.GRPC:
-        return GrpcGenClient(config)
+        return GrpcStreamClient(config, functools.partial(grpc_gen_request, config.model, config.model_version))
     if config.protocol is Protocol.OPENAI:
         return OpenAIGenClient(config)
-    return HttpGenClient(config)
+    return HttpStreamClient(config, http_gen_request, generate_events(is_token_event))
 
 
 # ---- the report --------------------------------------------------------------

@@ -9,8 +9,9 @@ first) and the output tokens the server reports (``stream_options``
 (``HTTP 429``, ``timeout``, ``connection``, ``stream error``), as in
 ``loadtest.clients``, so one failed request never stops a level.
 
-Chunk parsing is a pure function (:func:`parse_event`), tested without
-sockets.
+The request body (:func:`completion_body`) and chunk parsing
+(:func:`parse_event`) are pure functions, tested without sockets; the
+bench's ``--generate -i openai`` uses both.
 
 May import: aiohttp and orjson; nothing of the servers.
 """
@@ -70,6 +71,18 @@ def parse_event(line: bytes) -> Event | None:
     return Event(text=text, usage_tokens=usage.get("completion_tokens") if isinstance(usage, dict) else None)
 
 
+def completion_body(model: str, prompt: str, max_tokens: int, *, chat: bool = False, **sampling: Any) -> bytes:
+    """A streamed completion (or chat completion) that reports its usage; None sampling values are left out."""
+    doc: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
+                           "stream_options": {"include_usage": True}}
+    if chat:
+        doc["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        doc["prompt"] = prompt
+    doc.update({k: v for k, v in sampling.items() if v is not None})
+    return orjson.dumps(doc)
+
+
 def timing(sent: float, text_times: list[float], usage_tokens: int | None, ended: float) -> StreamTiming:
     """The timing of a request sent at ``sent`` whose text chunks came at ``text_times``."""
     tokens = usage_tokens if usage_tokens is not None else len(text_times)
@@ -94,14 +107,7 @@ class OpenAIStreamClient:
                                               timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     def body(self, prompt: str, max_tokens: int, **sampling: Any) -> bytes:
-        doc: dict[str, Any] = {"model": self._model, "max_tokens": max_tokens, "stream": True,
-                               "stream_options": {"include_usage": True}}
-        if self._chat:
-            doc["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            doc["prompt"] = prompt
-        doc.update({k: v for k, v in sampling.items() if v is not None})
-        return orjson.dumps(doc)
+        return completion_body(self._model, prompt, max_tokens, chat=self._chat, **sampling)
 
     async def generate(self, prompt: str, max_tokens: int, **sampling: Any) -> StreamTiming:
         body = self.body(prompt, max_tokens, **sampling)

@@ -1,23 +1,29 @@
-"""The bench's streaming clients: one open stream per concurrency slot.
+"""The bench's timed stream clients, one open stream per concurrency slot.
 
-Each client reads the model's signature like the unary clients do, prepares
-payloads once into its wire form, and opens :class:`StreamSlot` s; a slot
-sends one request at a time and fills in its :class:`StreamRecord` (arrival
-of every data response, the end, or an error kind). Errors are values, so a
-failed request never stops a level.
+Both streaming modes use them: ``--streaming`` (``loadtest.stream_requests``)
+and ``--generate`` (``loadtest.generate``). A mode gives a client how to build
+its wire request and what counts as a response (a token, for generation);
+the clients own the sending, the clock and the error kinds. A client
+prepares payloads once into their wire form and opens :class:`StreamSlot` s;
+a slot sends one request at a time and fills in its :class:`StreamRecord`
+(arrival of every data response, the end, or an error kind). Errors are
+values, so a failed request never stops a level.
 
 - gRPC: one ``ModelStreamInfer`` call per slot kept open across requests
   (perf_analyzer's decoupled mode). Requests carry
-  ``triton_enable_empty_final_response`` so the end of a request is always
-  marked by ``triton_final_response``; a response without outputs is that
-  marker, not a response. A response with no final flag at all (a model that
-  is not decoupled) ends its request. A broken or timed-out call is dropped
-  and the slot opens a fresh one for its next request.
-- HTTP: ``POST .../generate_stream`` (the generate extension) with the inputs
-  as JSON keys; every server-sent ``data:`` line carrying an output is a
-  response, one with an ``error`` member ends the request with an error,
-  the end of the body ends it normally. (Each event is one ``data:`` line,
-  as Triton and the gateway send them.)
+  ``triton_enable_empty_final_response`` (:data:`EMPTY_FINAL`) so the end of
+  a request is always marked by ``triton_final_response``; a response
+  without outputs is that marker, not a response. A response with no final
+  flag at all (a model that is not decoupled) ends its request. A broken or
+  timed-out call is dropped and the slot opens a fresh one for its next
+  request.
+- HTTP server-sent events: one ``POST`` per request (the generate
+  extension's ``generate_stream``, or a streamed OpenAI completion). The
+  mode's :data:`EventParser` reads each line into a :class:`StreamEvent`: a
+  response, an error (ends the request with an error), the end marker, or
+  the server's own count of the responses it sent (those beyond the events
+  seen arrive with the last one). The end of the body ends the request
+  normally.
 
 ``--timeout-ms`` bounds each streamed request from its send to its final response.
 """
@@ -28,6 +34,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -37,20 +44,19 @@ import orjson
 from tritonclient.grpc import service_pb2
 
 from loadtest.clients import GrpcBenchClient, HttpBenchClient, grpc_error_kind
-from loadtest.config import BenchConfig, BenchError, Protocol
-from loadtest.inputs import ModelSignature, Payload
+from loadtest.config import BenchConfig
+from loadtest.inputs import ModelSignature
 from loadtest.streaming import StreamRecord
-from protos import codec, json_codec
 
 log = logging.getLogger(__name__)
 
 _STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-_EMPTY_FINAL = "triton_enable_empty_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
 _FINAL = "triton_final_response"
-# Members of a generate response that are not outputs.
-_GENERATE_META = frozenset({"model_name", "model_version", "id", "parameters"})
 
 Clock = Callable[[], float]
+# A mode's wire form of one of its payloads.
+RequestBuilder = Callable[[Any], bytes]
 
 
 class StreamSlot(TypingProtocol):
@@ -60,12 +66,15 @@ class StreamSlot(TypingProtocol):
 
 class StreamBenchClient(TypingProtocol):
     async def signature(self) -> ModelSignature: ...
-    def prepare(self, payload: Payload) -> Any: ...
+    def prepare(self, payload: Any) -> Any: ...
     def open(self) -> StreamSlot: ...
     async def close(self) -> None: ...
 
 
-class _FirstSeen:
+StreamClientFactory = Callable[[BenchConfig], StreamBenchClient]
+
+
+class FirstErrors:
     """Logs the first error of each kind only (a level may fail thousands of times)."""
 
     def __init__(self) -> None:
@@ -78,14 +87,7 @@ class _FirstSeen:
         return kind
 
 
-def grpc_stream_request_bytes(model: str, version: str, payload: Payload, request_id: str = "") -> bytes:
-    """A serialized ModelInferRequest for a stream: raw contents, empty final response enabled."""
-    request = service_pb2.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    for tensor in payload:
-        request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-        request.raw_input_contents.append(tensor.raw)
-    request.parameters[_EMPTY_FINAL].bool_param = True
-    return request.SerializeToString()
+# ---- gRPC ModelStreamInfer -----------------------------------------------------
 
 
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
@@ -96,7 +98,7 @@ def is_final(response: service_pb2.ModelInferResponse) -> bool:
 
 class GrpcStreamSlot:
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float, metadata: Any, clock: Clock,
-                 errors: _FirstSeen) -> None:
+                 errors: FirstErrors) -> None:
         self._method = channel.stream_stream(
             _STREAM_METHOD, request_serializer=None,
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
@@ -157,18 +159,21 @@ class GrpcStreamSlot:
 
 
 class GrpcStreamClient:
-    def __init__(self, config: BenchConfig, clock: Clock = time.monotonic) -> None:
+    """``ModelStreamInfer`` streams whose requests ``build`` serializes (with :data:`EMPTY_FINAL` set)."""
+
+    def __init__(self, config: BenchConfig, build: RequestBuilder, clock: Clock = time.monotonic) -> None:
         self._unary = GrpcBenchClient(config)  # metadata and config reads
         self._config = config
+        self._build = build
         self._clock = clock
-        self._errors = _FirstSeen()
+        self._errors = FirstErrors()
         self._metadata = tuple((k.lower(), v) for k, v in config.headers) or None
 
     async def signature(self) -> ModelSignature:
         return await self._unary.signature()
 
-    def prepare(self, payload: Payload) -> bytes:
-        return grpc_stream_request_bytes(self._config.model, self._config.model_version, payload)
+    def prepare(self, payload: Any) -> bytes:
+        return self._build(payload)
 
     def open(self) -> GrpcStreamSlot:
         # The unary client's channel carries the streams too: one connection, many calls.
@@ -178,25 +183,21 @@ class GrpcStreamClient:
         await self._unary.close()
 
 
-def generate_body(payload: Payload) -> bytes:
-    """The generate extension's request: each input by name, its values as a flat JSON list."""
-    try:
-        doc = {t.name: json_codec.raw_to_json(t.datatype, t.shape, t.raw, name=t.name) for t in payload}
-    except codec.CodecError as exc:
-        raise BenchError(f"{exc}: the generate endpoint takes JSON values only") from None
-    return orjson.dumps(doc)
+# ---- HTTP server-sent events -----------------------------------------------------
 
 
-def parse_event(line: bytes) -> dict[str, Any] | None:
-    """The JSON of one server-sent ``data:`` line; None for other lines (blank, comments, event names)."""
-    text = line.strip()
-    if not text.startswith(b"data:"):
-        return None
-    try:
-        doc = orjson.loads(text[5:].strip())
-    except orjson.JSONDecodeError:
-        return {"error": f"unreadable event {text[:80]!r}"}
-    return doc if isinstance(doc, dict) else {"error": f"unexpected event {text[:80]!r}"}
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """What one ``data:`` line means to the clock."""
+
+    response: bool = False  # a data response (a token) arrived
+    error: str | None = None  # the request ends with an error
+    done: bool = False  # the end marker: the rest of its chunk is not read
+    counted: int | None = None  # the server's count of the request's responses so far
+
+
+# One line of the body -> its event; None for lines that carry none (blank, comments).
+EventParser = Callable[[bytes], StreamEvent | None]
 
 
 class EventLines:
@@ -210,14 +211,46 @@ class EventLines:
         return lines
 
 
-def is_data_event(doc: dict[str, Any]) -> bool:
-    return any(key not in _GENERATE_META for key in doc)
+def parse_event(line: bytes) -> dict[str, Any] | None:
+    """The JSON of one generate-extension ``data:`` line; None for other lines (blank, comments, event names)."""
+    text = line.strip()
+    if not text.startswith(b"data:"):
+        return None
+    try:
+        doc = orjson.loads(text[5:].strip())
+    except orjson.JSONDecodeError:
+        return {"error": f"unreadable event {text[:80]!r}"}
+    return doc if isinstance(doc, dict) else {"error": f"unexpected event {text[:80]!r}"}
 
 
-class HttpStreamSlot:
-    def __init__(self, session: aiohttp.ClientSession, url: str, clock: Clock, errors: _FirstSeen) -> None:
+def generate_events(is_response: Callable[[dict[str, Any]], bool]) -> EventParser:
+    """The generate extension's events: an ``error`` member ends the request, ``is_response`` says the rest."""
+
+    def parse(line: bytes) -> StreamEvent | None:
+        doc = parse_event(line)
+        if doc is None:
+            return None
+        if "error" in doc:
+            return StreamEvent(error=str(doc["error"]))
+        return StreamEvent(response=is_response(doc))
+
+    return parse
+
+
+def add_merged_responses(record: StreamRecord, counted: int | None) -> None:
+    """Responses the server counted beyond the events seen arrive with the last event."""
+    if counted is not None and record.arrivals_s and counted > len(record.arrivals_s):
+        record.arrivals_s.extend([record.arrivals_s[-1]] * (counted - len(record.arrivals_s)))
+
+
+class SseStreamSlot:
+    """One ``POST`` at a time whose body is server-sent events, read with the mode's ``parse``."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, parse: EventParser, clock: Clock,
+                 errors: FirstErrors) -> None:
         self._session = session
         self._url = url
+        self._parse = parse
         self._clock = clock
         self._errors = errors
 
@@ -229,60 +262,61 @@ class HttpStreamSlot:
                     detail = (await resp.read())[:300].decode(errors="replace")
                     record.error = self._errors(f"HTTP {resp.status}", detail)
                 else:
-                    await self._read_events(resp, record)
+                    await self.read_events(resp, record)
         except asyncio.TimeoutError:
             record.error = "timeout"
         except aiohttp.ClientError as exc:
             record.error = self._errors("connection", f"{exc.__class__.__name__}: {exc}")
         record.done_s = self._clock()
 
-    async def _read_events(self, resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
+    async def read_events(self, resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
         # Lines are split here rather than by the response's line reader, which
         # refuses lines over its buffer size (an event with a large output).
         lines = EventLines()
+        counted: int | None = None
         async for chunk in resp.content.iter_any():
             now = self._clock()  # events that came in one chunk arrived together
             for line in lines.feed(chunk):
-                doc = parse_event(line)
-                if doc is None:
+                event = self._parse(line)
+                if event is None:
                     continue
-                if "error" in doc:
-                    record.error = self._errors("stream error", str(doc["error"]))
+                if event.error is not None:
+                    record.error = self._errors("stream error", event.error)
                     return
-                if is_data_event(doc):
+                if event.done:
+                    break
+                if event.response:
                     record.arrivals_s.append(now)
+                if event.counted is not None:
+                    counted = event.counted
+        add_merged_responses(record, counted)
 
     async def close(self) -> None:
         return None
 
 
 class HttpStreamClient:
-    def __init__(self, config: BenchConfig, clock: Clock = time.monotonic) -> None:
+    """``generate_stream`` requests (the generate extension): ``build`` makes the body, ``parse`` reads events."""
+
+    def __init__(self, config: BenchConfig, build: RequestBuilder, parse: EventParser,
+                 clock: Clock = time.monotonic) -> None:
         self._unary = HttpBenchClient(config, binary=False)  # metadata and config reads
         base = f"http://{config.url}/v2/models/{config.model}"
         base += f"/versions/{config.model_version}" if config.model_version else ""
         self._url = base + "/generate_stream"
+        self._build = build
+        self._parse = parse
         self._clock = clock
-        self._errors = _FirstSeen()
+        self._errors = FirstErrors()
 
     async def signature(self) -> ModelSignature:
         return await self._unary.signature()
 
-    def prepare(self, payload: Payload) -> bytes:
-        return generate_body(payload)
+    def prepare(self, payload: Any) -> bytes:
+        return self._build(payload)
 
-    def open(self) -> HttpStreamSlot:
-        return HttpStreamSlot(self._unary.session, self._url, self._clock, self._errors)
+    def open(self) -> SseStreamSlot:
+        return SseStreamSlot(self._unary.session, self._url, self._parse, self._clock, self._errors)
 
     async def close(self) -> None:
         await self._unary.close()
-
-
-StreamClientFactory = Callable[[BenchConfig], StreamBenchClient]
-
-
-def make_stream_client(config: BenchConfig) -> StreamBenchClient:
-    """The streaming client for the configured protocol; create it inside the loop that uses it."""
-    if config.protocol is Protocol.GRPC:
-        return GrpcStreamClient(config)
-    return HttpStreamClient(config)

@@ -1,9 +1,10 @@
 """``infergate bench --streaming``: closed-loop load on decoupled models.
 
 ``run_stream_bench(BenchConfig) -> StreamBenchResult``. A concurrency level is
-a number of open streams; each stream (a slot of ``loadtest.stream_clients``)
-sends one request, reads every response up to the final one, and sends the
-next, as perf_analyzer does in its decoupled mode. Requests take the prepared
+a number of open streams; each stream (a slot of ``loadtest.stream_clients``,
+by default with ``loadtest.stream_requests``' requests) sends one request,
+reads every response up to the final one, and sends the next, as
+perf_analyzer does in its decoupled mode. Requests take the prepared
 payloads in turn from one shared counter, so with ``--request-count`` the
 payload of every request (and with it the number of responses a model such
 as square_int32 owes) is known whatever stream sends it.
@@ -33,8 +34,9 @@ from typing import Any
 from loadtest.config import STABILITY_WINDOWS, BenchConfig, BenchError
 from loadtest.inputs import build_payloads
 from loadtest.processes import run_with_uvloop
-from loadtest.stream_clients import Clock, StreamBenchClient, StreamClientFactory, StreamSlot, make_stream_client
+from loadtest.stream_clients import Clock, StreamBenchClient, StreamClientFactory, StreamSlot
 from loadtest.stream_report import StreamBenchResult
+from loadtest.stream_requests import make_stream_client
 from loadtest.streaming import (
     StreamLevelResult,
     StreamRecord,

@@ -1,7 +1,7 @@
 """Tests for loadtest/generate.py: the generative bench's requests, its
 genai-perf numbers on made-up clocks (time to first token, inter-token
-latency, output tokens/s, requests/s), the OpenAI chunks' merged tokens, and
-its options."""
+latency, output tokens/s, requests/s) and its options. (What counts as a
+token in each protocol's stream: test_stream_clients.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from loadtest.config import BenchConfig, BenchError
 from loadtest.generate import (
     GenLevel,
     GenRequest,
-    add_merged_tokens,
     format_gen_table,
     gen_json,
     gen_requests,
@@ -70,18 +69,6 @@ def test_genai_perf_numbers_from_made_up_timestamps() -> None:
     assert g.ttft_ms[0] == pytest.approx(100.0) and g.ttft_ms[2] == pytest.approx(300.0)
     assert g.itl_ms[0] == pytest.approx(10.0) and g.itl_ms[2] == pytest.approx(30.0)
     assert g.tokens_per_request == 4.0
-
-
-def test_tokens_merged_into_one_chunk_arrive_with_the_last() -> None:
-    record = StreamRecord(sent_s=0.0, arrivals_s=[0.1, 0.2])
-    add_merged_tokens(record, 4)
-    assert record.arrivals_s == [0.1, 0.2, 0.2, 0.2]
-    add_merged_tokens(record, None)
-    add_merged_tokens(record, 2)  # never fewer than seen
-    assert len(record.arrivals_s) == 4
-    empty = StreamRecord(sent_s=0.0)
-    add_merged_tokens(empty, 3)
-    assert empty.arrivals_s == []
 
 
 class FakeGenClient:

@@ -21,7 +21,8 @@ from tritonclient.grpc import service_pb2
 
 from loadtest.config import BenchConfig, BenchError
 from loadtest.inputs import InputTensor, ModelSignature, Payload, TensorSpec
-from loadtest.stream_clients import EventLines, generate_body, grpc_stream_request_bytes, is_data_event, is_final, parse_event
+from loadtest.stream_clients import EventLines, is_final, parse_event
+from loadtest.stream_requests import generate_body, grpc_stream_request_bytes, is_data_event
 from loadtest.stream_report import STREAM_CSV_COLUMNS, TABLE_HEAD, format_stream_table, stream_to_csv, stream_to_json
 from loadtest.stream_runner import Tickets, run_stream_bench_async
 from loadtest.streaming import (
