@@ -4,11 +4,12 @@ per worker: the gateway's copy of what each worker's schedulers report.
 A worker states its generation models' figures in its statistics answer
 (``protos.generation_usage``: Triton's ``memory_usage`` entries). The
 :class:`GenerationUsagePoller` reads that answer once a second from every
-worker that is up, for each decoupled model it serves (the only ones that can
-generate), and keeps the latest per (worker, model); a worker that is down,
-or no longer serves the model, leaves the table. A gateway that generates
-itself (split decoders, ``gateway.parallel.generation``) is read at the
-moment of asking, under the worker label :data:`GATEWAY_WORKER`.
+worker of ours that is up (a Triton server's answer has no such figures),
+for each decoupled model it serves (the only ones that can generate), and
+keeps the latest per (worker, model); a worker that is down, or no longer
+serves the model, leaves the table. A gateway that generates itself (split
+decoders, ``gateway.parallel.generation``) is read at the moment of asking,
+under the worker label :data:`GATEWAY_WORKER`.
 
 ``/metrics`` exports the table as ``infergate_generation_*`` gauges labelled
 by worker and model; the cluster API lists it per worker for the dashboard.
@@ -70,7 +71,7 @@ class GenerationUsagePoller:
 
     async def poll(self) -> None:
         """Read every up worker's decoupled models once; the table then holds exactly what answered."""
-        calls = [(w.address, name, w.client) for w in self._gw.cluster.workers() if w.is_up
+        calls = [(w.address, name, w.client) for w in self._gw.cluster.workers() if w.is_up and w.kind != "triton"
                  for name, model in sorted(w.models.items()) if _decoupled(model)]
         answers = await asyncio.gather(*(self._read(client, name) for _, name, client in calls))
         self._table = {(address, name): usage for (address, name, _), usage in zip(calls, answers)

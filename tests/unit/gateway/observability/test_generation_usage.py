@@ -123,7 +123,10 @@ def fleet() -> tuple[FakeGateway, StatsClient, StatsClient]:
     up.models = {"tiny_lm": generative("tiny_lm"), "gone": generative("gone"), "simple": plain("simple")}
     down = WorkerState(WorkerSpec("10.0.0.2:8001"), client=b, state=WorkerStatus.DOWN)  # type: ignore[arg-type]
     down.models = {"tiny_lm": generative("tiny_lm")}
-    gw.cluster = FakeCluster([up, down])
+    triton = WorkerState(WorkerSpec("10.0.0.3:8001", kind="triton"), client=b,  # type: ignore[arg-type]
+                         state=WorkerStatus.READY)
+    triton.models = {"tiny_lm": generative("tiny_lm")}
+    gw.cluster = FakeCluster([up, down, triton])
     gw.parts = Parts(Decoders())  # type: ignore[attr-defined]
     return gw, a, b
 
@@ -132,7 +135,7 @@ def test_the_poller_reads_up_workers_decoupled_models_and_adds_the_gateways_own(
     gw, a, b = fleet()
     poller = GenerationUsagePoller(gw)
     asyncio.run(poller.poll())
-    assert sorted(a.asked) == ["gone", "tiny_lm"] and b.asked == []  # no plain model, no down worker
+    assert sorted(a.asked) == ["gone", "tiny_lm"] and b.asked == []  # no plain model, no down or Triton worker
     assert poller.table() == {("10.0.0.1:8001", "tiny_lm"): GenerationUsage(2, 1, 4096, 8192),
                               (GATEWAY_WORKER, "split_lm"): GenerationUsage(1, 2, 64, 256)}
     gw.cluster.workers()[0].state = WorkerStatus.DOWN
@@ -162,7 +165,7 @@ def test_gauges_per_worker_and_model_and_the_cluster_view() -> None:
     by_address = {w["address"]: w["generation"] for w in view["workers"]}
     assert by_address == {"10.0.0.1:8001": {"tiny_lm": {"running": 2, "waiting": 1, "cache_bytes": 4096,
                                                         "cache_reserved_bytes": 8192}},
-                          "10.0.0.2:8001": {}}
+                          "10.0.0.2:8001": {}, "10.0.0.3:8001": {}}
     assert view["gateway_generation"] == {"split_lm": {"running": 1, "waiting": 2, "cache_bytes": 64,
                                                        "cache_reserved_bytes": 256}}
 
