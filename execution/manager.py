@@ -40,6 +40,7 @@ from tritonclient.grpc import service_pb2
 
 from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavailable
 from protos.execution_slots import set_execution_slots
+from protos.generation_usage import add_usage, instances_usage
 from execution.backends.base import Backend, ConfigBackends, ModelInstance, Placement
 from execution.model import LoadedModel
 from execution.sequences import SequenceSettings
@@ -394,4 +395,11 @@ class ModelManager:
             if entry is None or not entry.versions:
                 raise ModelNotFound(f"requested model '{name}' is not available")
             models = [self.get(name, version)] if version else [entry.versions[v] for v in sorted(entry.versions)]
-        return [m.stats.to_proto(m.name, m.version_str) for m in models]
+        answers = []
+        for m in models:
+            stats = m.stats.to_proto(m.name, m.version_str)
+            usage = instances_usage(m.instances)  # a generation model's sequences and KV cache
+            if usage is not None:
+                add_usage(stats, usage)
+            answers.append(stats)
+        return answers

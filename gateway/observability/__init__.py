@@ -4,6 +4,8 @@
 end-to-end latency histograms; ``metrics`` serves Prometheus ``/metrics``
 from the live counters; ``cluster_api`` serves ``/v2/cluster*`` as JSON;
 ``dashboard`` serves the page in ``static/``, which polls the cluster API;
+``generation_usage`` polls the workers' generation models' sequences and
+KV cache for both;
 ``trace_settings`` holds Triton's trace settings (global and per model) and
 ``tracing`` the traces the frontends and the core take with them.
 

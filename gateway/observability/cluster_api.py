@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
+from gateway.observability.generation_usage import GATEWAY_WORKER, GENERATION_USAGE, GenerationUsagePoller
 from gateway.observability.streams import TOKEN_GAP_BUCKETS_S, ModelStreams
 
 if TYPE_CHECKING:
@@ -176,9 +177,11 @@ def worker_state(state: str, ejection: dict[str, Any] | None) -> str:
     return "ejected" if ejection is not None and state == "READY" else state.lower()
 
 
-def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor) -> dict[str, Any]:
+def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
+                 generation: GenerationUsagePoller | None = None) -> dict[str, Any]:
     """The ``/v2/cluster`` document."""
     load = {w.address: w for w in gateway.router.worker_stats()}
+    generating = generation.by_worker() if generation is not None else {}
     ejected = ejections(gateway)
     workers = []
     for w in gateway.cluster.workers():
@@ -199,6 +202,8 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor) -> dict[str, 
                 "failures": counters.failures if counters else w.failures,
                 "retries": counters.retries if counters else w.retries,
             },
+            # Generation models' sequences and KV cache (gateway.observability.generation_usage).
+            "generation": generating.pop(w.address, {}),
             "consecutive_probe_failures": w.consecutive_failures,
             "last_error": w.last_error,
         })
@@ -227,6 +232,8 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor) -> dict[str, 
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},
         "workers": workers,
         "models": models,
+        # What the gateway generates itself (split decoders), by the same worker label.
+        "gateway_generation": generating.get(GATEWAY_WORKER, {}),
     }
 
 
@@ -288,14 +295,15 @@ def add_cluster_routes(
 ) -> DeviceMonitor:
     """Mount ``/v2/cluster`` and ``/v2/cluster/stats`` (before the app is set up).
 
-    ``worker_metrics_urls`` maps worker addresses to their ``/metrics`` URLs;
+    The workers' generation figures are the poller ``add_metrics_routes``
+    left on the app, when it did. ``worker_metrics_urls`` maps worker addresses to their ``/metrics`` URLs;
     more can be added later on the returned monitor.
     """
     monitor = DeviceMonitor(worker_metrics_urls)
 
-    async def cluster(_request: web.Request) -> web.Response:
+    async def cluster(request: web.Request) -> web.Response:
         await monitor.refresh(w.address for w in gateway.cluster.workers())
-        return _json(cluster_view(gateway, monitor))
+        return _json(cluster_view(gateway, monitor, request.app.get(GENERATION_USAGE)))
 
     async def stats(_request: web.Request) -> web.Response:
         return _json(cluster_stats(gateway))

@@ -24,6 +24,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway.observability.generation_usage import GENERATION_USAGE, GenerationUsagePoller
 from gateway.observability.latency import LATENCY_BUCKETS_S
 from gateway.observability.streams import FORWARD_BUCKETS_S, RESPONSE_COUNT_BUCKETS, TOKEN_GAP_BUCKETS_S, ModelStreams
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
@@ -71,8 +72,9 @@ def batch_size_counts(batches: dict[int, int]) -> list[int]:
 class GatewayCollector(Collector):
     """Every gateway family, read from the live gateway at each scrape."""
 
-    def __init__(self, gateway: ObservedGateway) -> None:
+    def __init__(self, gateway: ObservedGateway, generation: GenerationUsagePoller | None = None) -> None:
         self._gw = gateway
+        self._generation = generation
 
     def collect(self) -> Iterator[Metric]:
         yield from self._models()
@@ -82,6 +84,8 @@ class GatewayCollector(Collector):
         yield from self._parallel()
         yield from self._cache()
         yield from self._streams()
+        if self._generation is not None:
+            yield from self._generation.metrics()
 
     def _models(self) -> Iterator[Metric]:
         labels = list(MODEL_LABELS)
@@ -287,10 +291,24 @@ def _generation(models: list[tuple[tuple[str, str], ModelStreams]]) -> Iterator[
 
 
 def add_metrics_routes(app: web.Application, gateway: ObservedGateway) -> None:
-    """Mount ``GET /metrics`` on the gateway's HTTP app (before the app is set up)."""
-    collectors: list[Collector] = [GatewayCollector(gateway), ProcessCollector(registry=None)]
+    """Mount ``GET /metrics`` on the gateway's HTTP app (before the app is set up).
+
+    The workers' generation figures are polled while the app runs; the poller
+    is ``app[GENERATION_USAGE]`` for the cluster API.
+    """
+    generation = GenerationUsagePoller(gateway)
+    app[GENERATION_USAGE] = generation
+    collectors: list[Collector] = [GatewayCollector(gateway, generation), ProcessCollector(registry=None)]
+
+    async def start(_app: web.Application) -> None:
+        generation.start()
+
+    async def stop(_app: web.Application) -> None:
+        await generation.stop()
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=render_text(collectors), headers={"Content-Type": CONTENT_TYPE})
 
     app.router.add_get("/metrics", metrics)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)

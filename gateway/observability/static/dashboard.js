@@ -388,6 +388,19 @@
     { label: "Util", num: true, text: (w) => (w.dev && w.dev.util !== null ? Math.round(w.dev.util * 100) + "%" : "–"), sort: (w) => (w.dev ? w.dev.util : null) },
   ], { countId: "workers-count" });
 
+  // Generation models' sequences and KV cache, one row per (worker, model); "gateway" is the gateway's own.
+  const generationTable = new Table("generation", [
+    { label: "Worker", text: (g) => g.worker, sort: (g) => g.worker },
+    { label: "Model", text: (g) => g.model, sort: (g) => g.model },
+    { label: "Running", num: true, text: (g) => String(g.running), sort: (g) => g.running },
+    { label: "Waiting", num: true, text: (g) => String(g.waiting), sort: (g) => g.waiting },
+    {
+      label: "KV cache used / reserved", bar: (g) => (g.cache_reserved_bytes ? g.cache_bytes / g.cache_reserved_bytes : null),
+      text: (g) => `${bytes(g.cache_bytes)} / ${bytes(g.cache_reserved_bytes)}`,
+      sort: (g) => g.cache_bytes,
+    },
+  ], { countId: "generation-count" });
+
   const modelsTable = new Table("models", [
     { label: "Model", text: (m) => m.name, sort: (m) => m.name },
     { label: "State", badge: true, text: (m) => m.state, sort: (m) => m.state, cls: (m) => "state-" + m.state },
@@ -560,6 +573,20 @@
     setText("tile-workers", `${ready} / ${state.cluster.workers.length}`);
   }
 
+  function renderGeneration() {
+    if (!state.cluster) return;
+    const rows = [];
+    const add = (worker, models) => {
+      for (const [model, g] of Object.entries(models || {})) {
+        rows.push({ key: `${worker} ${model}`, worker, model, ...g, search: `${worker} ${model}`.toLowerCase() });
+      }
+    };
+    for (const w of state.cluster.workers) add(w.address, w.generation);
+    add("gateway", state.cluster.gateway_generation);
+    $("generation-panel").hidden = rows.length === 0;
+    generationTable.update(rows);
+  }
+
   function renderModels() {
     if (!state.cluster) return;
     const empty = { rps: null, eps: null, p50: null, p99: null, batch: null, queue: 0 };
@@ -612,6 +639,7 @@
         state.cluster = await getJson("v2/cluster");
         setText("gw-version", "v" + state.cluster.gateway.version);
         renderWorkers();
+        renderGeneration();
         renderModels();
         bump("clusterUpdates");
       } catch (err) {
@@ -627,6 +655,7 @@
         onStats(await getJson("v2/cluster/stats"));
         renderTiles();
         renderWorkers();
+        renderGeneration();
         renderModels();
         drawCharts();
         setStatus("ok", "live · " + new Date().toLocaleTimeString());

@@ -345,9 +345,13 @@ def fake_cluster(workers: int, models: int) -> web.Application:
                              "memory_total_bytes": 80 * gib, "memory_used_bytes": (i % 80) * gib, "utilization": 0.5}],
                 "models": names[i::workers], "load": {"inflight_batches": i % 4, "batches_sent": 0, "failures": 0, "retries": 0},
                 "consecutive_probe_failures": 0, "last_error": "",
+                "generation": {"tiny_lm": {"running": i, "waiting": 1, "cache_bytes": i * 2**20,
+                                           "cache_reserved_bytes": 64 * 2**20}} if i % 10 == 0 else {},
             } for i, a in enumerate(addresses)],
             "models": [{"name": n, "state": "ready", "versions": ["1"], "replicas": addresses[: 1 + i % 3],
                         "max_batch_size": 8, "platform": "onnxruntime_onnx", "queue_depth": 0} for i, n in enumerate(names)],
+            "gateway_generation": {"split_lm": {"running": 2, "waiting": 0, "cache_bytes": 4096,
+                                                "cache_reserved_bytes": 8192}},
         })
 
     async def stats(_request: web.Request) -> web.Response:
@@ -386,6 +390,11 @@ async def test_dashboard_with_50_workers_and_200_models() -> None:
             assert await browser.evaluate(page, "document.querySelectorAll('#models tbody tr').length") == 200
             assert await browser.evaluate(page, "document.getElementById('tile-workers').textContent") == "45 / 50"
             assert await browser.evaluate(page, "document.getElementById('models-count').textContent") == "(200)"
+            # Generation: a row per (worker, model) that generates, the gateway's own split decoders as "gateway".
+            assert await browser.evaluate(page, "document.getElementById('generation-panel').hidden") is False
+            assert await browser.evaluate(page, "document.querySelectorAll('#generation tbody tr').length") == 6
+            assert await browser.evaluate(page, cell("generation", "10.0.0.20:8001 tiny_lm", "Running")) == "20"
+            assert await browser.evaluate(page, cell("generation", "gateway split_lm", "Running")) == "2"
 
             # Rows are updated in place: the same element, new numbers.
             await browser.evaluate(page, "window.probe = document.querySelector('#models tbody tr[data-key=\"model-007\"]');"
