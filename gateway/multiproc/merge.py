@@ -33,6 +33,9 @@ VIEW_GAUGES = frozenset({
     "infergate_worker_state", "infergate_model_replicas", "infergate_worker_models", "infergate_queue_capacity",
     "infergate_worker_ejected", "infergate_parallel_groups_ready", "infergate_cache_capacity_bytes",
     "process_max_fds",
+    # Every process reads the same workers' generation figures.
+    "infergate_generation_worker_sequences_running", "infergate_generation_worker_sequences_waiting",
+    "infergate_generation_worker_cache_bytes", "infergate_generation_worker_cache_reserved_bytes",
 })
 _EARLIEST = frozenset({"process_start_time_seconds"})
 # Families shown per process (a ``process`` label added), not summed: who does what.

@@ -34,6 +34,7 @@ from gateway.multiproc.peers import PEER_PREFIX, ProcessGroup, error_body
 from gateway.multiproc.registrations import registry_routes
 from gateway.multiproc.replicated import Replicator
 from gateway.observability.cluster_api import DeviceMonitor, cluster_stats, cluster_view
+from gateway.observability.generation_usage import GenerationUsagePoller
 from gateway.observability.metrics import GatewayCollector
 from gateway.observability.observed import ObservedGateway
 from gateway.routing.sequences import SequenceRoutes
@@ -88,7 +89,10 @@ class GroupViews:
         self.group = group
         self.replicator = replicator
         self.devices = DeviceMonitor(worker_metrics_urls)
-        self._collectors = [GatewayCollector(gateway), ProcessCollector(registry=None)]
+        # Each process reads the workers' generation figures itself (one statistics call per
+        # generation model a second): the merge takes them once (merge.VIEW_GAUGES), not N times.
+        self.generation = GenerationUsagePoller(gateway)
+        self._collectors = [GatewayCollector(gateway, self.generation), ProcessCollector(registry=None)]
 
     def local_metrics(self) -> bytes:
         return render_text(self._collectors)
@@ -103,8 +107,8 @@ class GroupViews:
 
     async def cluster(self) -> dict[str, Any]:
         await self.devices.refresh(w.address for w in self.gateway.cluster.workers())
-        return merge_cluster_view(await self._in_index_order(cluster_view(self.gateway, self.devices), "cluster",
-                                                             orjson.loads))
+        local = cluster_view(self.gateway, self.devices, self.generation)
+        return merge_cluster_view(await self._in_index_order(local, "cluster", orjson.loads))
 
     async def cluster_stats(self) -> dict[str, Any]:
         return merge_cluster_stats(await self._in_index_order(cluster_stats(self.gateway), "cluster_stats",
@@ -187,10 +191,15 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
     async def stats(_request: web.Request) -> web.Response:
         return _json(await views.cluster_stats())
 
+    async def begin(_app: web.Application) -> None:
+        views.generation.start()
+
     async def close(_app: web.Application) -> None:
+        await views.generation.stop()
         await views.devices.close()
 
     app.on_response_prepare.append(stamp)
+    app.on_startup.append(begin)
     app.on_cleanup.append(close)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v2/cluster", cluster)
@@ -223,7 +232,7 @@ def internal_app(views: GroupViews) -> web.Application:
     async def cluster(_r: web.Request) -> web.Response:
         # Any process's view may be the merged document's base: its devices are read as fresh.
         await views.devices.refresh(w.address for w in gateway.cluster.workers())
-        return _json(cluster_view(gateway, views.devices))
+        return _json(cluster_view(gateway, views.devices, views.generation))
 
     async def stats_doc(_r: web.Request) -> web.Response:
         return _json(cluster_stats(gateway))

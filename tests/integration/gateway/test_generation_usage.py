@@ -1,5 +1,5 @@
-"""``infergate up`` with one worker serving ``tiny_lm``: while streams
-generate, the gateway's ``/metrics`` shows that worker's running sequences
+"""``infergate up`` with one worker serving ``tiny_lm`` behind two gateway
+processes: while streams generate, the gateway's (merged) ``/metrics`` shows that worker's running sequences
 and KV cache (``infergate_generation_worker_*``) and ``/v2/cluster`` lists
 them under the worker; once the streams end, both return to 0. A split
 decoder, generating at the gateway, shows the same way as worker ``gateway``.
@@ -28,7 +28,8 @@ WORKER_GAUGES = ("sequences_running", "sequences_waiting", "cache_bytes", "cache
 def up(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     repo = tmp_path_factory.mktemp("generation-usage")
     shutil.copytree(model_repo / "tiny_lm", repo / "tiny_lm")
-    proc = start(["up", "--workers", "1", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"])
+    proc = start(["up", "--workers", "1", "--gateway-processes", "2", "--model-repository", str(repo),
+                  "--http-port", "0", "--grpc-port", "0"])
     try:
         base = f"http://127.0.0.1:{proc.ready['http_port']}"
         poll(lambda: requests.get(f"{base}/v2/models/tiny_lm/ready", timeout=10).status_code == 200,
