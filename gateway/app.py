@@ -263,7 +263,7 @@ async def start_gateway(
         add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.placement.drain_timeout_s)
     else:
         assert composed.replicator is not None
-        views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls)
+        views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls, composed.local)
         devices = views.devices
         add_group_routes(app, views)
         peer_runner = web.AppRunner(internal_app(views), access_log=None, handle_signals=False)
@@ -319,8 +319,6 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_args(args)
         if args.processes < 0:
             raise ConfigError("--processes must be >= 0 (0: one per core)")
-        if config.local.enabled and args.processes != 1:
-            raise ConfigError("local execution runs in one gateway process: drop --processes")
     except ConfigError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2

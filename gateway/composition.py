@@ -108,11 +108,12 @@ def compose(config: GatewayConfig, group: ProcessGroup | None = None) -> Composi
         local = build_local(config)
         return Composition(build_gateway(config, local=local), SharedMemoryRegistry(), LogSettings(), local=local)
     replicator = Replicator(group)
-    gateway = build_gateway(config, seams=group_seams(group, replicator))
-    return Composition(gateway, GroupRegions(replicator), GroupLogSettings(replicator), group, replicator)
+    local = build_local(config)  # each process runs its own copy of the repository's models
+    gateway = build_gateway(config, seams=group_seams(group, replicator, local), local=local)
+    return Composition(gateway, GroupRegions(replicator), GroupLogSettings(replicator), group, replicator, local=local)
 
 
-def group_seams(group: ProcessGroup, replicator: Replicator) -> Seams:
+def group_seams(group: ProcessGroup, replicator: Replicator, local: LocalReplica | None = None) -> Seams:
     """A process among several: the leader's placement decides (a follower's asks it), statistics
     are summed over the processes, the leader acts on repository control, trace settings are replicated."""
 
@@ -123,7 +124,7 @@ def group_seams(group: ProcessGroup, replicator: Replicator) -> Seams:
         return GroupTraceSettings(trace, known_model, replicator)
 
     return Seams(placement=None if group.is_leader else follower, statistics=GroupStatistics(group),
-                 control=GroupModelControl(group), trace_settings=trace_settings, process_index=group.index)
+                 control=GroupModelControl(group, local), trace_settings=trace_settings, process_index=group.index)
 
 
 def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, router: Router | None = None,

@@ -359,8 +359,6 @@ def run(args: argparse.Namespace) -> int:
                              **triton_overrides(args),
                              **security_overrides(args),
                              **local_overrides(args))
-        if config.local.enabled and process_count(args.gateway_processes) > 1:
-            raise ConfigError("local execution runs in one gateway process: drop --gateway-processes")
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2

@@ -213,7 +213,8 @@ class Gateway:
             self.fleet.placement.note_load(name)
             self.cache.clear(name)  # a reload may answer differently
             await repository.load(self.cluster, name, parameters)
-        await self.parts.control.changed(name)
+        await self.parts.control.changed(name, service_pb2.RepositoryModelLoadRequest(model_name=name,
+                                                                                       parameters=parameters))
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_model_control()
@@ -226,7 +227,7 @@ class Gateway:
             await repository.unload(self.cluster, name, unload_dependents)
         self.cache.clear(name)
         await self._batchers.close_model(name, self.config.shutdown_grace_s)
-        await self.parts.control.changed(name)
+        await self.parts.control.changed(name, None)
 
     async def reread(self, name: str) -> None:
         """Another process loaded or unloaded ``name``: read the workers again, forget cached answers."""

@@ -56,8 +56,9 @@ class ModelControl(Protocol):
     async def forward_unload(self, name: str, unload_dependents: bool) -> bool:
         """True when another process did the unload."""
 
-    async def changed(self, name: str) -> None:
-        """After this process loaded or unloaded ``name``: whoever else serves must learn of it."""
+    async def changed(self, name: str, load: service_pb2.RepositoryModelLoadRequest | None) -> None:
+        """After this process loaded (``load``: the request) or unloaded (None) ``name``: whoever else
+        serves must learn of it."""
 
 
 class LocalStatistics:
@@ -77,7 +78,7 @@ class LocalModelControl:
     async def forward_unload(self, name: str, unload_dependents: bool) -> bool:
         return False
 
-    async def changed(self, name: str) -> None:
+    async def changed(self, name: str, load: service_pb2.RepositoryModelLoadRequest | None) -> None:
         return None
 
 

@@ -179,6 +179,10 @@ class LocalReplica:
         self._check_open()
         return await self.manager.index(ready)
 
+    def serves(self, name: str) -> bool:
+        """Whether a version of ``name`` is loaded here now."""
+        return any(m.name == name for m in self.manager.loaded())
+
     async def load(self, name: str, parameters: Mapping[str, service_pb2.ModelRepositoryParameter] | None = None,
                    timeout_s: float | None = None) -> None:  # fmt: skip
         self._check_open()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import orjson
 from tritonclient.grpc import service_pb2
 
+from gateway.fleet.local_replica import LocalReplica
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
@@ -122,10 +123,14 @@ class GroupStatistics:
 
 class GroupModelControl:
     """``ModelControl`` of a process among several: a follower forwards a client's load or unload
-    to the leader; the leader acts, then has every other process re-read the workers before it answers."""
+    to the leader; the leader acts, then has every other process re-read the workers before it answers.
 
-    def __init__(self, group: ProcessGroup) -> None:
+    With local execution every process runs its own copy of the repository's models: the others
+    then load (with the same request) or unload their copy of a model as the leader's did."""
+
+    def __init__(self, group: ProcessGroup, local: LocalReplica | None = None) -> None:
         self._group = group
+        self._local = local
 
     async def forward_load(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> bool:
         if self._group.is_leader:
@@ -142,8 +147,14 @@ class GroupModelControl:
                                timeout_s=_LOAD_TIMEOUT_S)
         return True
 
-    async def changed(self, name: str) -> None:
-        await self._group.gather("POST", "reread", params={"name": name})
+    async def changed(self, name: str, load: service_pb2.RepositoryModelLoadRequest | None) -> None:
+        params, body = {"name": name}, b""
+        if self._local is not None:
+            params[LOCAL_ACTION] = "load" if load is not None and self._local.serves(name) else "unload"
+            body = load.SerializeToString() if load is not None else b""
+        await self._group.gather("POST", "reread", params=params, body=body, timeout_s=_LOAD_TIMEOUT_S)
 
 
+# The reread call's parameter naming what a process does with its own local copy of the model.
+LOCAL_ACTION = "local"
 _LOAD_TIMEOUT_S = 330.0  # the placement's own load timeout, and a margin

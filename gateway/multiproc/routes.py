@@ -27,8 +27,10 @@ from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.drain import drain_worker, undrain_worker
+from gateway.fleet.local_replica import LocalReplica
 from gateway.fleet.manager import Fleet
 from gateway.frontends.admin_routes import add_drain_routes
+from gateway.multiproc.group import LOCAL_ACTION
 from gateway.multiproc.merge import merge_cluster_stats, merge_cluster_view, merge_metrics
 from gateway.multiproc.peers import PEER_PREFIX, ProcessGroup, error_body
 from gateway.multiproc.registrations import registry_routes
@@ -84,8 +86,9 @@ class GroupViews:
     """This process's own documents, and the whole gateway's built from every process's."""
 
     def __init__(self, gateway: GroupMember, group: ProcessGroup, replicator: Replicator,
-                 worker_metrics_urls: Mapping[str, str] | None) -> None:
+                 worker_metrics_urls: Mapping[str, str] | None, local: LocalReplica | None = None) -> None:
         self.gateway = gateway
+        self.local = local  # this process's own copy of the repository's models (local execution)
         self.group = group
         self.replicator = replicator
         self.devices = DeviceMonitor(worker_metrics_urls)
@@ -93,6 +96,15 @@ class GroupViews:
         # generation model a second): the merge takes them once (merge.VIEW_GAUGES), not N times.
         self.generation = GenerationUsagePoller(gateway)
         self._collectors = [GatewayCollector(gateway, self.generation), ProcessCollector(registry=None)]
+
+    async def mirror_local(self, name: str, action: str, body: bytes) -> None:
+        """Do with this process's copy of ``name`` what the leader did with its own."""
+        assert self.local is not None
+        if action == "load":
+            request = service_pb2.RepositoryModelLoadRequest.FromString(body)
+            await self.local.load(name, dict(request.parameters))
+        elif self.local.serves(name):
+            await self.local.unload(name)
 
     def local_metrics(self) -> bytes:
         return render_text(self._collectors)
@@ -256,6 +268,9 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json({})
 
     async def reread(r: web.Request) -> web.Response:
+        action = q(r, LOCAL_ACTION)
+        if action and views.local is not None:
+            await views.mirror_local(q(r, "name"), action, await r.read())
         await gateway.reread(q(r, "name"))
         return _json({})
 
