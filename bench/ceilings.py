@@ -20,18 +20,23 @@ In-process ONNX Runtime: ``bench/ort_ceiling.py`` (the worker backend's own
 sessions, timed in this process while the servers idle). Closed-loop
 ``infergate bench`` over gRPC, single-row requests; the contenders of each
 row take turns in a rotated order each round and each figure is the median
-of its rounds (``bench/closed_loop.py``). The clients share the machine with
+of its rounds (``bench/closed_loop.py``). Beside the one-client rows, a bare
+``grpc.aio`` server answering a prebuilt reply (``loadtest.echo_server``,
+no model run) gives the least a gRPC round trip in Python takes here. The clients share the machine with
 the servers: read the ratios, within one run.
 
-Run: ``python bench/ceilings.py [--rounds 3] [--compute-clients 8 64] [--json out.json]``.
+Run: ``python bench/ceilings.py [--rounds 3] [--compute-clients 8 32 64] [--json out.json]``
+(about 7 minutes at 5 rounds on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +69,18 @@ MAGIKA_LIKE = ExampleModel("magika_like", build_magika_like, max_batch_size=64, 
 
 
 def row(target: str, model: str, clients: int, measured: float, ceiling: float, against: str, unit: str,
-        goal: str, cap: float, higher_is_better: bool) -> dict[str, Any]:
+        goal: str, cap: float, higher_is_better: bool, floor_ms: float = math.nan) -> dict[str, Any]:
     ratio = measured / ceiling
     met = ratio >= cap if higher_is_better else ratio <= cap
     return {"target": target, "model": model, "clients": clients, "measured": measured, "ceiling": ceiling,
-            "against": against, "unit": unit, "ratio": ratio, "goal": goal, "met": met}
+            "against": against, "unit": unit, "ratio": ratio, "goal": goal, "met": met, "floor_ms": floor_ms}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one-client-models", nargs="+", default=["magika_like", "cnn_large"])
     parser.add_argument("--compute-models", nargs="+", default=["cnn_large"])
-    parser.add_argument("--compute-clients", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--compute-clients", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--light-model", default="mlp", help="serve against up --workers 1")
     parser.add_argument("--light-clients", type=int, default=64)
     parser.add_argument("--worker-clients", type=int, default=32)
@@ -97,23 +102,29 @@ def main() -> int:
         procs["worker"] = start_worker(repo, "--log-level", "warning")
         procs["worker per_instance"] = start_worker(repo, "--log-level", "warning",
                                                     "--backend-option", "cpu_sessions=per_instance")
+        for model in args.one_client_models:  # the least a Python gRPC server takes per call: no model run at all
+            procs[f"echo {model}"] = start(["--like", worker_url(procs["worker"]), "--model", model],
+                                           module="loadtest.echo_server")
         url = {name: worker_url(proc) for name, proc in procs.items()}  # every one's gRPC port
         level = workdir / "level.json"
 
-        def at(server: str, model: str, clients: int) -> Any:
+        def at(server: str, model: str, clients: int) -> Callable[[], dict[str, Any]]:
             return lambda: bench(url[server], model, clients, args, level)
 
         ceilings = {model: OrtCeiling(repo, model) for model in dict.fromkeys([*args.one_client_models, *args.compute_models])}
         for model in args.one_client_models:
             ceiling = ceilings[model]
             one = run_rounds({"serve": at("serve", model, 1), "worker": at("worker", model, 1),
+                              "gRPC echo": at(f"echo {model}", model, 1),
                               "ORT wide, batch 1": lambda c=ceiling: c.level(1, "wide", ort_s)},
                              args.rounds, f"{model} 1 client")
-            ort_p50 = one["ORT wide, batch 1"]["p50_ms"]
+            ort_p50, echo_p50 = one["ORT wide, batch 1"]["p50_ms"], one["gRPC echo"]["p50_ms"]
             rows.append(row("serve p50, 1 client", model, 1, one["serve"]["p50_ms"], ort_p50,
-                            f"in-process ORT p50, batch 1, {cpu_count()} threads", "ms", "<= 1.15", 1.15, False))
+                            f"in-process ORT p50, batch 1, {cpu_count()} threads", "ms", "<= 1.15", 1.15, False,
+                            echo_p50))
             rows.append(row("worker (adaptive) p50, 1 client", model, 1, one["worker"]["p50_ms"], ort_p50,
-                            f"in-process ORT p50, batch 1, {cpu_count()} threads", "ms", "<= 1.3", 1.3, False))
+                            f"in-process ORT p50, batch 1, {cpu_count()} threads", "ms", "<= 1.3", 1.3, False,
+                            echo_p50))
             many = run_rounds({"adaptive": at("worker", model, args.worker_clients),
                                "per_instance": at("worker per_instance", model, args.worker_clients)},
                               args.rounds, f"{model} {args.worker_clients} clients")
@@ -127,7 +138,7 @@ def main() -> int:
 
                 def serve(model: str = model, clients: int = clients, seen: dict[str, int] = seen) -> dict[str, Any]:
                     r = bench(url["serve"], model, clients, args, level)
-                    seen["batch"] = max(1, round(r["avg_batch"])) if r["avg_batch"] == r["avg_batch"] else 1
+                    seen["batch"] = 1 if math.isnan(r["avg_batch"]) else max(1, round(r["avg_batch"]))
                     return r
 
                 # The first round starts with serve, so ONNX Runtime runs at the batch of the latest serve level.
@@ -153,13 +164,15 @@ def main() -> int:
 
     print(f"\n{cpu_count()} cores; load average (1/5/15 min) before {load_before}, after {load_after}")
     print(f"in-process ONNX Runtime sessions: {layouts}")
-    print("| target | model | clients | measured | ceiling, same run | ceiling is | ratio | goal | met |")
-    print("|---|---|---:|---:|---:|---|---:|---|---|")
+    print("| target | model | clients | measured | ceiling, same run | ceiling is | ratio | goal | met "
+          "| bare gRPC echo p50 |")
+    print("|---|---|---:|---:|---:|---|---:|---|---|---:|")
     for r in rows:
         digits = 2 if r["unit"] == "ms" else 0
+        floor = "-" if math.isnan(r["floor_ms"]) else f"{r['floor_ms']:.2f} ms"
         print(f"| {r['target']} | {r['model']} | {r['clients']} | {r['measured']:.{digits}f} {r['unit']} | "
               f"{r['ceiling']:.{digits}f} {r['unit']} | {r['against']} | {r['ratio']:.2f} | {r['goal']} | "
-              f"{'yes' if r['met'] else 'no'} |")
+              f"{'yes' if r['met'] else 'no'} | {floor} |")
     write_json(args.json, {"cores": cpu_count(), "load": [load_before, load_after], "layouts": layouts, "rows": rows})
     return 0
 
