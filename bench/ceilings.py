@@ -26,7 +26,7 @@ no model run) gives the least a gRPC round trip in Python takes here. The client
 the servers: read the ratios, within one run.
 
 Run: ``python bench/ceilings.py [--rounds 3] [--compute-clients 8 32 64] [--json out.json]``
-(about 7 minutes at 5 rounds on 2 cores).
+(about 10 minutes at 5 rounds on 2 busy cores).
 """
 
 from __future__ import annotations
