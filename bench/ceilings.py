@@ -8,7 +8,8 @@ is read against, measured in the same run on the same repository.
   against in-process ONNX Runtime at the batch the gateway formed (the mean
   batch of the server's statistics over that level), the better of the
   server's two layouts (goal >= 0.95x).
-* ``mlp`` at 64 clients: ``serve`` req/s against ``up --workers 1`` (goal >= 1.3x).
+* ``mlp`` at 64 clients: ``serve`` (one process, and a process per core) req/s against
+  ``up --workers 1`` (goal >= 1.3x).
 * ``infergate worker`` with its default ``cpu_sessions=adaptive``: p50 at
   one client against in-process ONNX Runtime on every core (goal <= 1.3x),
   and req/s at 32 clients against ``cpu_sessions=per_instance`` (goal >= 0.95x).
@@ -78,8 +79,8 @@ def row(target: str, model: str, clients: int, measured: float, ceiling: float, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--one-client-models", nargs="+", default=["magika_like", "cnn_large"])
-    parser.add_argument("--compute-models", nargs="+", default=["cnn_large"])
+    parser.add_argument("--one-client-models", nargs="*", default=["magika_like", "cnn_large"])
+    parser.add_argument("--compute-models", nargs="*", default=["cnn_large"])
     parser.add_argument("--compute-clients", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--light-model", default="mlp", help="serve against up --workers 1")
     parser.add_argument("--light-clients", type=int, default=64)
@@ -98,6 +99,7 @@ def main() -> int:
         build_bench_repository(repo, names, extra=(MAGIKA_LIKE,))
         ports = ["--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"]
         procs["serve"] = start(["serve", "--model-repository", str(repo), *ports])
+        procs["serve --processes 0"] = start(["serve", "--model-repository", str(repo), "--processes", "0", *ports])
         procs["up --workers 1"] = start(["up", "--workers", "1", "--model-repository", str(repo), *ports])
         procs["worker"] = start_worker(repo, "--log-level", "warning")
         procs["worker per_instance"] = start_worker(repo, "--log-level", "warning",
@@ -151,10 +153,12 @@ def main() -> int:
                                 got["serve"]["rps"], got[best]["rps"],
                                 f"in-process {best}, batch {got[best]['avg_batch']:.0f}", "rows/s", ">= 0.95", 0.95, True))
         light = run_rounds({"serve": at("serve", args.light_model, args.light_clients),
+                            "serve --processes 0": at("serve --processes 0", args.light_model, args.light_clients),
                             "up --workers 1": at("up --workers 1", args.light_model, args.light_clients)},
                            args.rounds, f"{args.light_model} {args.light_clients} clients")
-        rows.append(row("serve req/s", args.light_model, args.light_clients, light["serve"]["rps"],
-                        light["up --workers 1"]["rps"], "up --workers 1", "req/s", ">= 1.3", 1.3, True))
+        for server in ("serve", "serve --processes 0"):
+            rows.append(row(f"{server} req/s", args.light_model, args.light_clients, light[server]["rps"],
+                            light["up --workers 1"]["rps"], "up --workers 1", "req/s", ">= 1.3", 1.3, True))
         layouts = {model: c.describe for model, c in ceilings.items()}
     finally:
         for proc in procs.values():
