@@ -10,16 +10,21 @@ the worker did not answer in time -- unless the time went elsewhere:
   the stalled time does not count against the probe;
 * the worker holds calls of ours that are still running (``busy()``): a
   worker receiving or sending a large message of ours parses it on the same
-  loop that answers its probes, so it answers them after; the probe gets
-  ``busy_grace`` (2) timeouts more, once, before it counts as failed. A worker
-  that died meanwhile is found by those calls themselves (their connection
-  breaks, and the router marks it DOWN at once) or by the next probe.
+  loop that answers its probes, so it answers them after; while it still
+  holds them, the probe's deadline moves one timeout further each time it
+  passes, up to ``busy_grace_s`` (:data:`BUSY_GRACE_S`) beyond the plain
+  one. Once the worker holds none, the next deadline that passes fails the
+  probe. A worker that died meanwhile is found by those calls themselves
+  (their connection breaks, and the router marks it DOWN at once); one hung
+  while holding them, by probes that each waited out the grace.
 
 Measured on 2 cores through ``infergate up`` with one worker and a single
 256 MiB ``bytes_contents`` request (18 s end to end): the gateway's loop
 stalled up to 2 s at a time, and the worker answered ServerReady up to 4 s
 late; with a 1 s probe timeout the worker was marked DOWN twice during the
-call.
+call. A grace of two timeouts, once, was not enough either: a clean
+checkout's test run saw two probes in a row time out behind the same
+256 MiB request.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+# How much longer than its timeout a probe may wait while the worker holds calls of ours.
+BUSY_GRACE_S = 15.0
 
 
 class LoopStalls:
@@ -83,10 +91,11 @@ class LoopStalls:
 
 async def within(
     call: Awaitable[_T], timeout_s: float, stalls: LoopStalls, *, busy: Callable[[], bool] = lambda: False,
-    busy_grace: float = 2.0,
+    busy_grace_s: float = BUSY_GRACE_S,
 ) -> _T:
-    """``call``'s result, or ``asyncio.TimeoutError`` once it had ``timeout_s`` of the loop's time
-    (plus ``busy_grace`` timeouts, once, when ``busy()`` says the worker holds calls of ours)."""
+    """``call``'s result, or ``asyncio.TimeoutError`` once it had ``timeout_s`` of the loop's time,
+    moved one timeout further each time it passes while ``busy()`` says the worker holds calls of
+    ours, up to ``busy_grace_s`` more."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(call)
     started = loop.time()
@@ -96,8 +105,8 @@ async def within(
             now = loop.time()
             deadline = started + timeout_s + grace + stalls.stalled_s(started, now)
             if now >= deadline:
-                if not grace and busy_grace and busy():
-                    grace = busy_grace * timeout_s
+                if grace < busy_grace_s and busy():
+                    grace = min(busy_grace_s, grace + timeout_s)
                     continue
                 raise asyncio.TimeoutError
             done, _ = await asyncio.wait({task}, timeout=deadline - now)
