@@ -1,6 +1,7 @@
 """What the streaming tests share: inputs of ``square_int32`` and ``repeat_int32``, one
 tritonclient gRPC stream that collects every response, and polls of a process's
-/metrics (each a condition with a deadline, never a fixed sleep).
+/metrics (each a condition with a deadline, never a fixed sleep), and the
+gateway's per-worker generation gauges.
 
 Used by ``test_stream_gateway.py``, ``test_stream_faults.py``,
 ``test_stream_triton.py`` and ``test_stream_multiproc.py``.
@@ -16,7 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import requests
 import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import Proc
 
 WAIT_S = 20.0
 
@@ -121,6 +126,21 @@ def metric_values(url: str, name: str, headers: dict[str, str] | None = None) ->
 def metric(url: str, name: str, label: str = "", headers: dict[str, str] | None = None) -> float:
     """The sum of the samples of ``name`` whose labels contain ``label``."""
     return sum(v for k, v in metric_values(url, name, headers).items() if label in k)
+
+
+# The gateway's generation gauges per worker and model (``infergate_generation_worker_*``).
+WORKER_GAUGES = ("sequences_running", "sequences_waiting", "cache_bytes", "cache_reserved_bytes")
+
+
+def figures(proc: Proc, worker: str, model: str = "tiny_lm") -> dict[str, float]:
+    """The gateway's generation gauges for ``model`` on ``worker`` (empty before the first poll)."""
+    text = requests.get(f"http://127.0.0.1:{proc.ready['http_port']}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("infergate_generation_worker_") and s.labels == {"worker": worker, "model": model}:
+                out[s.name.removeprefix("infergate_generation_worker_")] = s.value
+    return out
 
 
 def poll(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:

@@ -1,8 +1,9 @@
 """``infergate up`` with one worker serving ``tiny_lm`` behind two gateway
-processes: while streams generate, the gateway's (merged) ``/metrics`` shows that worker's running sequences
-and KV cache (``infergate_generation_worker_*``) and ``/v2/cluster`` lists
-them under the worker; once the streams end, both return to 0. A split
-decoder, generating at the gateway, shows the same way as worker ``gateway``.
+processes: while streams generate, the gateway's (merged) ``/metrics`` shows
+that worker's running sequences and KV cache (``infergate_generation_worker_*``)
+and ``/v2/cluster`` lists them under the worker; once the streams end, both
+return to 0. (A split decoder, generating at the gateway, shows the same way
+as worker ``gateway``: checked in ``test_split_decoder.py`` on its cluster.)
 """
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Proc, start
-from tests.integration.gateway.stream_clients import poll
+from tests.integration.gateway.stream_clients import WORKER_GAUGES, figures, poll
 from tests.integration.workers.gen_client import Generation, GenStream
 
 pytestmark = pytest.mark.timeout(180)
-
-WORKER_GAUGES = ("sequences_running", "sequences_waiting", "cache_bytes", "cache_reserved_bytes")
-
 
 @pytest.fixture(scope="module")
 def up(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
@@ -37,17 +34,6 @@ def up(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield proc
     finally:
         proc.stop()
-
-
-def figures(proc: Proc, worker: str, model: str = "tiny_lm") -> dict[str, float]:
-    """The gateway's generation gauges for ``model`` on ``worker`` (empty before the first poll)."""
-    text = requests.get(f"http://127.0.0.1:{proc.ready['http_port']}/metrics", timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("infergate_generation_worker_") and s.labels == {"worker": worker, "model": model}:
-                out[s.name.removeprefix("infergate_generation_worker_")] = s.value
-    return out
 
 
 def test_running_sequences_and_cache_per_worker(up: Proc) -> None:
@@ -80,44 +66,3 @@ def test_running_sequences_and_cache_per_worker(up: Proc) -> None:
     # Every stream ended (cancelled or finished): the worker's figures come back to 0.
     poll(lambda: figures(up, worker) == dict.fromkeys(WORKER_GAUGES, 0.0), "generation figures back to 0",
          timeout_s=60.0)
-
-
-@pytest.fixture(scope="module")
-def split(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    root = tmp_path_factory.mktemp("generation-usage-split")
-    shutil.copytree(model_repo / "tiny_lm", root / "models" / "tiny_lm")
-    config = root / "gateway.yaml"
-    config.write_text("models:\n  tiny_lm_tp2: {from: tiny_lm, tensor_parallel: 2}\n")
-    proc = start(["up", "--workers", "2", "--model-repository", str(root / "models"), "--config", str(config),
-                  "--http-port", "0", "--grpc-port", "0"])
-    try:
-        base = f"http://127.0.0.1:{proc.ready['http_port']}"
-        poll(lambda: requests.get(f"{base}/v2/models/tiny_lm_tp2/ready", timeout=10).status_code == 200,
-             "tiny_lm_tp2 ready", timeout_s=90.0)
-        yield proc
-    finally:
-        proc.stop()
-
-
-def test_a_split_decoder_shows_as_worker_gateway(split: Proc) -> None:
-    base = f"http://127.0.0.1:{split.ready['http_port']}"
-    stream = GenStream(f"127.0.0.1:{split.ready['grpc_port']}")
-    try:
-        holding: list[Generation] = []
-        seen: dict[str, float] = {}
-
-        def running() -> bool:
-            if all(g.done.is_set() for g in holding):
-                holding.extend(stream.send("tiny_lm_tp2", f"hold-{len(holding) + i}", "Once upon a time",
-                                           max_tokens=200, parameters={"ignore_eos": True}) for i in range(2))
-            seen.update(figures(split, "gateway", "tiny_lm_tp2"))
-            return seen.get("sequences_running", 0) > 0 and seen.get("cache_bytes", 0) > 0
-
-        poll(running, "the gateway's own running sequences on its /metrics", timeout_s=60.0)
-        assert set(seen) == set(WORKER_GAUGES)
-        own = requests.get(f"{base}/v2/cluster", timeout=10).json()["gateway_generation"]
-        assert set(own) == {"tiny_lm_tp2"}
-    finally:
-        stream.close(cancel=True)
-    poll(lambda: figures(split, "gateway", "tiny_lm_tp2") == dict.fromkeys(WORKER_GAUGES, 0.0),
-         "the gateway's figures back to 0", timeout_s=60.0)

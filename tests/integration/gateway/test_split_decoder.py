@@ -7,7 +7,8 @@ generations of prompts of many lengths (empty, one byte, multi-byte UTF-8,
 ~300 bytes) through gRPC streams are, token for token, the unsplit model's;
 concurrent generations through the ``openai`` client (continuous batching
 at the gateway) equal each run alone; a unary call is refused in Triton's
-words; a worker killed mid-generation ends no split generation -- the cache
+words; the gateway's generation gauges show the split decoders' running
+sequences and cache as worker ``gateway``; a worker killed mid-generation ends no split generation -- the cache
 lives in the gateway and the step reruns on the re-placed shards -- and the
 tokens are still the unsplit model's (the test that kills runs last).
 """
@@ -29,7 +30,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.harness import Proc, start
-from tests.integration.gateway.stream_clients import WAIT_S, poll
+from tests.integration.gateway.stream_clients import WAIT_S, WORKER_GAUGES, figures, poll
 from tests.integration.workers.gen_client import GenStream, Generation
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,6 +122,30 @@ def test_a_unary_call_is_refused_in_tritons_words(up: Proc) -> None:
             client.infer("tiny_lm_tp2", [text])
     finally:
         client.close()
+
+
+def test_the_split_decoders_figures_show_as_worker_gateway(up: Proc) -> None:
+    base = f"http://127.0.0.1:{up.ready['http_port']}"
+    stream = GenStream(_grpc(up))
+    try:
+        holding: list[Generation] = []
+        seen: dict[str, float] = {}
+
+        def running() -> bool:
+            if all(g.done.is_set() for g in holding):
+                holding.extend(stream.send("tiny_lm_tp2", f"hold-{len(holding) + i}", "Once upon a time",
+                                           max_tokens=200, parameters={"ignore_eos": True}) for i in range(2))
+            seen.update(figures(up, "gateway", "tiny_lm_tp2"))
+            return seen.get("sequences_running", 0) > 0 and seen.get("cache_bytes", 0) > 0
+
+        poll(running, "the gateway's own running sequences on its /metrics", timeout_s=60.0)
+        assert set(seen) == set(WORKER_GAUGES)
+        own = requests.get(f"{base}/v2/cluster", timeout=10).json()["gateway_generation"]
+        assert "tiny_lm_tp2" in own
+    finally:
+        stream.close(cancel=True)
+    poll(lambda: figures(up, "gateway", "tiny_lm_tp2") == dict.fromkeys(WORKER_GAUGES, 0.0),
+         "the gateway's figures back to 0", timeout_s=60.0)
 
 
 def test_a_worker_killed_mid_generation_ends_no_split_generation(up: Proc) -> None:
