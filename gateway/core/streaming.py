@@ -28,6 +28,7 @@ from contextlib import aclosing
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
+from execution.decoupled import set_parameter
 from gateway.batching.assembly import build_batch_request
 from gateway.core.parts import GatewayParts
 from gateway.fleet.stream_call import EMPTY_FINAL, FINAL_RESPONSE, is_final
@@ -53,15 +54,7 @@ def worker_request(request: InferRequest, version: str) -> service_pb2.ModelInfe
     for key, value in request.parameters.items():
         if key.startswith(("triton_", "_")):
             continue  # reserved: the stream call sets the one it needs
-        param = pb.parameters[key]
-        if isinstance(value, bool):
-            param.bool_param = value
-        elif isinstance(value, int):
-            param.int64_param = value
-        elif isinstance(value, float):
-            param.double_param = value
-        else:
-            param.string_param = str(value)
+        set_parameter(pb.parameters[key], value)
     return pb
 
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from tritonclient.grpc import service_pb2
 
-from loadtest.config import BenchConfig, BenchError
+from loadtest.config import DEFAULT_PORTS, BenchConfig, BenchError, Protocol
 from loadtest.generate import (
     GenLevel,
     GenRequest,
@@ -133,7 +133,8 @@ def test_generation_options_are_checked() -> None:
     assert config().streaming  # --generate streams
     with pytest.raises(BenchError, match="--generate"):
         BenchConfig(model="lm", protocol="openai")
-    assert BenchConfig(model="lm", protocol="openai", generate=True).url == "localhost:8000"
+    # The OpenAI API is served on the HTTP port: the default address is perf_analyzer's HTTP one.
+    assert BenchConfig(model="lm", protocol="openai", generate=True).url == f"localhost:{DEFAULT_PORTS[Protocol.HTTP]}"
     with pytest.raises(BenchError, match="--output-tokens"):
         config(output_tokens=0)
 
