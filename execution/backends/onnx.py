@@ -6,8 +6,9 @@ process: its size times the intra-op threads of a session stays within the
 cores, so concurrent executions never oversubscribe the CPU. The event loop
 only awaits the pool. On the CPU (``cpu_sessions``, default ``adaptive``) a
 model version also holds one session on every core, which a run takes when
-no other runs: a lone request gets every core, concurrent ones their
-instances' narrower sessions side by side.
+no other runs and none ran beside another for as long as a run takes: a lone
+request gets every core, concurrent ones their instances' narrower sessions
+side by side.
 
 Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
 provider *and* the CUDA driver reports a device (see ``execution.devices``);
@@ -34,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -117,12 +120,37 @@ class _Session:
 
 
 class _Activity:
-    """Runs in progress across the backend's models (event loop thread only)."""
+    """Runs in progress across the backend's models, and when runs last met (event loop thread only).
 
-    __slots__ = ("running",)
+    A run may take the wide session only when none is in progress *and* none
+    started or ended beside another for as long as the last run took: under
+    load, the instances' runs often end in one turn of the event loop, and the
+    next waiting batch would otherwise find nothing running, take every core
+    and leave the next one's narrow session to fight it for them."""
 
-    def __init__(self) -> None:
+    __slots__ = ("running", "crowded_at", "run_s", "clock")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.running = 0
+        self.crowded_at = -math.inf  # the last time a run started or ended while another ran
+        self.run_s = 0.0  # how long the last run took (start to end, its wait for a thread included)
+        self.clock = clock
+
+    def start(self, wide_possible: bool) -> tuple[float, bool]:
+        """Count a run in; (its start time, whether it may take the wide session)."""
+        now = self.clock()
+        if self.running:
+            self.crowded_at = now
+        wide = wide_possible and not self.running and now - self.crowded_at > self.run_s
+        self.running += 1
+        return now, wide
+
+    def end(self, started: float) -> None:
+        now = self.clock()
+        self.running -= 1
+        if self.running:
+            self.crowded_at = now
+        self.run_s = now - started
 
 
 class OnnxInstance:
@@ -130,9 +158,10 @@ class OnnxInstance:
     its model version's CPU instances share) on the backend's thread pool.
 
     With a ``wide`` session (``adaptive``), a run that starts while no other
-    runs in the backend takes the wide one, on every core; one that starts
-    beside others takes the instance's own, narrow session, so under load the
-    runs sit side by side on a core or few each."""
+    runs in the backend, and none has run beside another for as long as a run
+    takes, takes the wide one, on every core; one that starts beside others, or
+    just after, takes the instance's own, narrow session, so under load the
+    runs sit side by side on a core or few each (``_Activity``)."""
 
     def __init__(self, session: _Session, placement: Placement, executor: ThreadPoolExecutor, model: str = "",
                  *, wide: _Session | None = None, activity: _Activity | None = None) -> None:
@@ -147,12 +176,12 @@ class OnnxInstance:
     async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
         activity = self._activity
-        session = self._wide if self._wide is not None and activity.running == 0 else self._session
-        activity.running += 1
+        started, wide = activity.start(self._wide is not None)
+        session = self._wide if wide else self._session
         try:
             return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names), session)
         finally:
-            activity.running -= 1
+            activity.end(started)
 
     def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str],
              session: ort.InferenceSession | None) -> dict[str, np.ndarray]:  # fmt: skip

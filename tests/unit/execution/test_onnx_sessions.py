@@ -94,3 +94,35 @@ async def test_adaptive_runs_alone_on_the_wide_session_and_side_by_side_on_narro
         assert used[1] is first._wide and used[2] is second._session  # the second started beside the first
     finally:
         made.close()
+
+
+async def test_adaptive_keeps_narrow_sessions_just_after_runs_met(tmp_path: Path) -> None:
+    """Under load the instances' runs can all end in one turn of the event loop;
+    the next batch then finds nothing running but must not take every core."""
+    version_dir = write_model(tmp_path / "add", add_model())
+    made = backend("adaptive")
+    now = [100.0]
+    made._activity.clock = lambda: now[0]
+    try:
+        config = config_of(made, version_dir)
+        first, second = (made.load(tmp_path / "add", version_dir, config, Placement("cpu")) for _ in range(2))
+        used: list[object] = []
+        for instance in (first, second):
+            run = instance._run
+
+            def spy(inputs, names, session, run=run):  # type: ignore[no-untyped-def]
+                used.append(session)
+                now[0] += 0.010  # each run takes 10 ms of the fake clock
+                return run(inputs, names, session)
+
+            instance._run = spy  # type: ignore[method-assign]
+        a = np.ones((1, 4), np.float32)
+        await asyncio.gather(first.infer({"A": a, "B": a}, ["Y"]), second.infer({"A": a, "B": a}, ["Y"]))
+        assert used == [first._wide, second._session]  # met: the second started beside the first
+        await first.infer({"A": a, "B": a}, ["Y"])  # at once after: narrow, though nothing runs
+        assert used[2] is first._session
+        now[0] += 0.015  # no run met another for longer than the last run took: every core again
+        await second.infer({"A": a, "B": a}, ["Y"])
+        assert used[3] is first._wide
+    finally:
+        made.close()
