@@ -118,7 +118,8 @@ async def test_adaptive_keeps_narrow_sessions_just_after_runs_met(tmp_path: Path
             instance._run = spy  # type: ignore[method-assign]
         a = np.ones((1, 4), np.float32)
         await asyncio.gather(first.infer({"A": a, "B": a}, ["Y"]), second.infer({"A": a, "B": a}, ["Y"]))
-        assert used == [first._wide, second._session]  # met: the second started beside the first
+        # Met: the second started beside the first (the pool's threads may log the two in either order).
+        assert sorted(map(id, used)) == sorted(map(id, (first._wide, second._session)))
         await first.infer({"A": a, "B": a}, ["Y"])  # at once after: narrow, though nothing runs
         assert used[2] is first._session
         now[0] += 0.015  # no run met another for longer than the last run took: every core again
