@@ -128,7 +128,7 @@ class GenSequence:
 def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else a draw from the top-p nucleus of softmax(logits / temperature)."""
     if params.temperature <= 0.0:
-        return int(np.argmax(logits))
+        return int(logits.argmax())
     scaled = logits.astype(np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
@@ -268,8 +268,14 @@ class Scheduler:
             return
         chunk = sequence.token_bytes(token)
         sequence.text += chunk
-        sequence.held.append(chunk)
         stops = sequence.params.stop
+        if not stops and chunk and not sequence.held:  # nothing to hold back: the token goes out as it is
+            sequence.sent_bytes += len(chunk)
+            sequence.emit(TokenOut(data=chunk))
+            if sequence.completion >= sequence.params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
+                self._finish(sequence, "length")
+            return
+        sequence.held.append(chunk)
         if stops:
             # Search only where a stop string could newly end: from just before what was sent.
             start = max(0, sequence.sent_bytes - max(len(s) for s in stops) + 1)
@@ -278,7 +284,8 @@ class Scheduler:
                 self._flush(sequence, min(found), cut=True)
                 self._finish(sequence, "stop")
                 return
-        self._flush(sequence, len(sequence.text) - _stop_prefix(bytes(sequence.text), stops))
+        tail = bytes(sequence.text[-max(len(s) for s in stops):]) if stops else b""  # where a stop may start
+        self._flush(sequence, len(sequence.text) - _stop_prefix(tail, stops))
         if sequence.completion >= sequence.params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
             self._flush(sequence, len(sequence.text))
             self._finish(sequence, "length")
