@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", type=Path)
     args = parser.parse_args(argv)
     if args.serve_proxy:
+        process.set_switch_interval()
         process.install_event_loop_policy()
         return asyncio.run(serve_proxy(args.serve_proxy, args.ready_file))
     clients = [int(c) for c in args.clients.split(",")]

@@ -47,7 +47,7 @@ from gateway.settings import MODEL_CONTROL_MODES, ConfigError, GatewayConfig
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
 from serverkit.listen import cannot_listen
-from serverkit.process import install_event_loop_policy, setup_logging, wait_for_signal, write_ready_file
+from serverkit.process import install_event_loop_policy, set_switch_interval, setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.workers and not args.process_spec and not config.local.enabled:
         log.warning("no workers configured: the gateway serves no model until workers are added")
+    set_switch_interval()
     install_event_loop_policy()
     processes = process_count(args.processes)
     try:

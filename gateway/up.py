@@ -34,7 +34,7 @@ from gateway.fleet.cluster import Cluster, ModelInfo
 from gateway.multiproc.supervisor import GatewayProcesses, process_count
 from gateway.security.setup import add_security_arguments, local_worker_token, security_overrides
 from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
-from serverkit.process import die_with_parent, install_event_loop_policy, setup_logging, write_ready_file
+from serverkit.process import die_with_parent, install_event_loop_policy, set_switch_interval, setup_logging, write_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2
+    set_switch_interval()
     install_event_loop_policy()
     try:
         return asyncio.run(serve(args, config))

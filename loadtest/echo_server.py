@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     headers = tuple((k.strip().lower(), v.strip()) for k, _, v in (h.partition(":") for h in args.header))
     replies = copy_model(args.like, args.model, headers)
+    process.set_switch_interval()
     process.install_event_loop_policy()
     return asyncio.run(serve(replies, args.host, args.port, args.ready_file))
 

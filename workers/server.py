@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    process.set_switch_interval()
     process.install_event_loop_policy()
     # Spans only under a sampled caller's context: the gateway decides what is traced.
     tracing.install("infergate-worker", trace_config, parent_based=True)
