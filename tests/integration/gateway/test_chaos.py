@@ -28,7 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from tests.harness import Proc, start, start_worker, worker_url
+from tests.harness import Proc, start, start_together, start_worker, worker_url
 from tests.integration.steady_load import MODEL, SteadyLoad
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,13 +62,24 @@ class Cluster:
         self.workers[index] = start_worker(self.repo, *self.worker_args(latency_ms), "--port", str(port))
         assert self.workers[index].ready["grpc_port"] == port
 
+    def restart_all(self, latency_ms: str = NORMAL_LATENCY_MS) -> None:
+        """Stop every worker still running (a clean exit), then start them all again on their old
+        ports, side by side."""
+        for w in self.workers:
+            if w.popen.poll() is None:
+                w.stop()
+        old = [w.ready["grpc_port"] for w in self.workers]
+        args = self.worker_args(latency_ms)
+        self.workers[:] = start_together([lambda p=p: start_worker(self.repo, *args, "--port", str(p)) for p in old])
+        assert [w.ready["grpc_port"] for w in self.workers] == old
+
 
 @pytest.fixture(scope="module")
 def cluster(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     config = tmp_path_factory.mktemp("chaos") / "gateway.yaml"
     config.write_text(GATEWAY_CONFIG)
     args = ["--backend", "sim", "--sim-latency-ms", NORMAL_LATENCY_MS, "--grace-period", "5"]
-    workers = [start_worker(model_repo, *args) for _ in range(2)]
+    workers = start_together([lambda: start_worker(model_repo, *args)] * 2)
     gateway = start(["gateway", *(a for w in workers for a in ("--worker", worker_url(w))),
                      "--http-port", "0", "--grpc-port", "0", "--config", str(config)])
     c = Cluster(model_repo, workers, gateway)
@@ -164,8 +175,7 @@ async def test_every_worker_gone_then_back(cluster: Cluster) -> None:
         assert codes <= {"UNAVAILABLE", "HTTP 503", "OK"}, codes
         assert {"UNAVAILABLE", "HTTP 503"} <= codes
         assert cluster.gateway.popen.poll() is None
-        for index in range(len(cluster.workers)):
-            await asyncio.to_thread(cluster.restart, index)
+        await asyncio.to_thread(cluster.restart_all)
         for w in cluster.workers:
             await until_serving(load, w)
         await load.until_ok(100)
@@ -182,9 +192,7 @@ async def test_sigterm_drains_in_flight_requests(cluster: Cluster) -> None:
     ``simple`` runs unbatched here (``mode: off``), so four requests are four
     batches and the gateway's routing counters say when all four are on workers.
     """
-    for index in range(len(cluster.workers)):
-        await asyncio.to_thread(cluster.workers[index].stop)
-        await asyncio.to_thread(cluster.restart, index, DRAIN_LATENCY_MS)
+    await asyncio.to_thread(cluster.restart_all, DRAIN_LATENCY_MS)
     gateway = cluster.gateway
     async with aiohttp.ClientSession() as http:
         while {w["state"] for w in await _routing(http, gateway)} != {"ready"}:

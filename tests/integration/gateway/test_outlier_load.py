@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import Proc, start, start_worker, worker_url
+from tests.harness import Proc, start, start_together, start_worker, worker_url
 from tests.integration.burst import Rows, grpc_burst
 from tests.integration.gateway.e2e_cluster import http_url
 
@@ -100,7 +100,7 @@ def served_zeros(rows: Rows) -> Rows:
 
 
 async def test_a_burst_of_the_gateways_making_ejects_no_worker(repos: dict[int, Path], rows: Rows, gateway_of) -> None:
-    workers = [sim_worker(repos[1], 20), sim_worker(repos[4], 20)]
+    workers = start_together([lambda: sim_worker(repos[1], 20), lambda: sim_worker(repos[4], 20)])
     try:
         proc = gateway_of(*workers)
         address = f"127.0.0.1:{proc.ready['grpc_port']}"
@@ -117,7 +117,8 @@ async def test_a_burst_of_the_gateways_making_ejects_no_worker(repos: dict[int, 
 
 
 async def test_a_truly_slow_worker_is_still_ejected(repos: dict[int, Path], rows: Rows, gateway_of) -> None:
-    workers = [sim_worker(repos[1], 20), sim_worker(repos[4], 20), sim_worker(repos[1], 100)]
+    workers = start_together([lambda: sim_worker(repos[1], 20), lambda: sim_worker(repos[4], 20),
+                              lambda: sim_worker(repos[1], 100)])
     try:
         proc = gateway_of(*workers)
         address = f"127.0.0.1:{proc.ready['grpc_port']}"

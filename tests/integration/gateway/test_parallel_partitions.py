@@ -25,7 +25,7 @@ import onnxruntime as ort
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from tests.harness import Proc, start
+from tests.harness import Proc, start, start_together
 from tests.integration.gateway.test_partitions import GATEWAY_CONFIG, check, until, worker_states
 from tests.integration.steady_load import SteadyLoad, Workload
 from tests.netsim import Host, NetSim
@@ -105,8 +105,9 @@ async def test_cut_gateway_link_of_a_rank_mid_load(netsim: NetSim, model_repo: P
     config = tmp_path / "gateway.yaml"
     config.write_text(CONFIG)
     hosts = [netsim.add_host(f"w{i}") for i in range(4)]
-    workers = [(h, netsim.start_worker(h, model_repo, "--model-control-mode", "explicit", "--grace-period", "5"))
-               for h in hosts]
+    started = start_together([lambda h=h: netsim.start_worker(h, model_repo, "--model-control-mode", "explicit",
+                                                              "--grace-period", "5") for h in hosts])
+    workers = list(zip(hosts, started))
     by_address = {f"{h.address}:{w.ready['grpc_port']}": (h, w) for h, w in workers}
     gateway = start(["gateway", *(a for address in by_address for a in ("--worker", address)),
                      "--model-repository", str(model_repo), "--http-port", "0", "--grpc-port", "0",

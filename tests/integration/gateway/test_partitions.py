@@ -28,7 +28,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from tests.harness import Proc, start
+from tests.harness import Proc, start, start_together
 from tests.integration.steady_load import MODEL, Ledger, SteadyLoad
 from tests.netsim import Host, NetSim
 
@@ -55,7 +55,8 @@ def start_gateway(net: NetSim, workers: list[tuple[Host, Proc]], config: Path, h
 
 def fleet(net: NetSim, repo: Path, count: int, *extra: str) -> list[tuple[Host, Proc]]:
     hosts = [net.add_host(f"w{i}") for i in range(count)]
-    return [(h, net.start_worker(h, repo, *WORKER_ARGS, *extra)) for h in hosts]
+    workers = start_together([lambda h=h: net.start_worker(h, repo, *WORKER_ARGS, *extra) for h in hosts])
+    return list(zip(hosts, workers))
 
 
 async def served_by(host: Host, worker: Proc) -> int:
@@ -197,8 +198,9 @@ async def test_two_gateways_one_loses_a_worker(netsim: NetSim, model_repo: Path,
     workers = fleet(netsim, model_repo, 3, "--model-control-mode", "explicit")
     by_address = {_worker_address(h, w): (h, w) for h, w in workers}
     gb_host = netsim.add_host("gb")
-    gateways = [(start_gateway(netsim, workers, config), "127.0.0.1")]
-    gateways.append((start_gateway(netsim, workers, config, gb_host), gb_host.address))
+    procs = start_together([lambda: start_gateway(netsim, workers, config),
+                            lambda: start_gateway(netsim, workers, config, gb_host)])
+    gateways = list(zip(procs, ["127.0.0.1", gb_host.address]))
     loads: list[SteadyLoad] = []
     try:
         placed = await until_placed(gateways)
