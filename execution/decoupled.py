@@ -56,7 +56,7 @@ async def serve_decoupled(model: LoadedModel, request: service_pb2.ModelInferReq
     empty_final = wants_empty_final(request)
     sent = 0
     # The last plain response (no parameters, not final) and its outputs' shapes: a response of the same
-    # shapes (a generation's every token) is a copy of it with new contents, a third of the encoding's cost.
+    # shapes (a generation's every token) is a copy of it with new contents, about half the encoding's cost.
     plain: tuple[service_pb2.ModelStreamInferResponse, tuple[tuple[str, str, tuple[int, ...]], ...]] | None = None
     async with contextlib.aclosing(model.stream(request)) as events:
         async for event in events:
@@ -65,7 +65,7 @@ async def serve_decoupled(model: LoadedModel, request: service_pb2.ModelInferReq
             if event.parameters or event.final:
                 message = _message(model, request, event)
             else:
-                message = _plain_message(model, request, event, plain)
+                message = _plain_message(event, plain)
                 if message is None:
                     message = _message(model, request, event)
                     plain = (message, _shapes(message.infer_response))
@@ -87,7 +87,7 @@ def _shapes(response: service_pb2.ModelInferResponse) -> tuple[tuple[str, str, t
     return tuple((o.name, o.datatype, tuple(o.shape)) for o in response.outputs)
 
 
-def _plain_message(model: LoadedModel, request: service_pb2.ModelInferRequest, event: StreamEvent,
+def _plain_message(event: StreamEvent,
                    last: tuple[service_pb2.ModelStreamInferResponse, tuple[tuple[str, str, tuple[int, ...]], ...]] | None,
                    ) -> service_pb2.ModelStreamInferResponse | None:
     """``event``'s message as a copy of the last plain one with its own contents; None if its outputs differ."""
