@@ -32,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,12 +64,35 @@ _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
 
 
+@dataclass(frozen=True, slots=True)
+class _StepCaches:
+    """What one step left for its rows: key then value of each layer ([B, H, T, Dh]) and the mask of real columns [B, T]."""
+
+    arrays: tuple[np.ndarray, ...]
+    mask: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class RowCache:
+    """A sequence's cache: row ``index`` of one step's caches (never changed: each step makes new arrays)."""
+
+    step: _StepCaches
+    index: int
+
+
 class DecoderStep:
-    """One decoder step over rows of different lengths: new tokens padded to the longest, caches to the longest.
+    """One decoder step over rows of different lengths: new tokens padded to the longest, caches by the attention mask.
 
     ``run(output_names, feeds)`` runs the step graph itself: an ONNX Runtime
     session here (:meth:`onnx`), the shards of a split decoder on a gateway.
     It is called on the instance's thread, never on the event loop.
+
+    A row's cache is a :class:`RowCache`: its row of the arrays the step that
+    last ran it returned. When the same rows come back in the same order for
+    one token each (decoding while no sequence joins or leaves), those
+    arrays are fed back as they are, with one more mask column: no copy on
+    our side. Otherwise each row's real columns are gathered into new padded
+    arrays (one copy, and the padding of earlier steps dropped).
     """
 
     def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int) -> None:
@@ -76,6 +100,7 @@ class DecoderStep:
         self._model = model
         self._pad_id = pad_id
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self._pasts = [f"past_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
         self._outputs = ["logits"] + [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
 
     @classmethod
@@ -96,39 +121,61 @@ class DecoderStep:
         return 2 * self.layers * self.heads * self.head_dim * 4
 
     def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
+        first = rows[0].cache
+        if isinstance(first, RowCache) and first.step.mask.shape[0] == len(rows) and all(
+                isinstance(row.cache, RowCache) and row.cache.step is first.step and row.cache.index == b
+                and len(row.tokens) == 1 for b, row in enumerate(rows)):
+            return self._continue(first.step, rows)
+        return self._gather(rows)
+
+    def _continue(self, last: _StepCaches, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
+        """The rows of the last step, one token each: its arrays are the past, the mask one column longer."""
+        batch = len(rows)
+        mask = np.concatenate([last.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+        feeds: dict[str, np.ndarray] = {
+            "input_ids": np.array([row.tokens for row in rows], dtype=np.int64),
+            "attention_mask": mask,
+            "position_ids": np.array([[row.position] for row in rows], dtype=np.int64),
+        }
+        feeds.update(zip(self._pasts, last.arrays))
+        return self._step(feeds, mask, np.zeros(batch, dtype=np.int64))
+
+    def _gather(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
+        """Any rows: each row's real columns copied into past arrays padded to the longest row."""
         batch = len(rows)
         lengths = np.array([len(r.tokens) for r in rows], dtype=np.int64)
         starts = np.array([r.position for r in rows], dtype=np.int64)
         new, past = int(lengths.max()), int(starts.max())
         columns = np.arange(new, dtype=np.int64)
         real_new = columns[None, :] < lengths[:, None]  # [B, new]: right padding marked False
-        if new == 1:  # a decode step: one token per row
-            ids = np.array([[r.tokens[0]] for r in rows], dtype=np.int64)
-        else:
-            ids = np.full((batch, new), self._pad_id, dtype=np.int64)
-            for b, row in enumerate(rows):
-                ids[b, :len(row.tokens)] = row.tokens
+        ids = np.full((batch, new), self._pad_id, dtype=np.int64)
+        for b, row in enumerate(rows):
+            ids[b, :len(row.tokens)] = row.tokens
         positions = np.where(real_new, starts[:, None] + columns[None, :], 0)
         mask = np.concatenate([np.arange(past)[None, :] < starts[:, None], real_new], axis=1).astype(np.int64)
-        # Key then value of each layer, stacked: one copy per row fills every layer's padded past.
         pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=np.float32)
         for b, row in enumerate(rows):
-            if row.cache is not None:
-                pasts[:, b, :, :row.position] = row.cache[:, :, :row.position]  # type: ignore[index]
+            cache = row.cache
+            if cache is None:
+                continue
+            if not isinstance(cache, RowCache):
+                raise TypeError(f"a row's cache is a {type(cache).__name__}, not this step's RowCache")
+            real = np.flatnonzero(cache.step.mask[cache.index])  # its cached positions, in order
+            if len(real) != row.position:
+                raise ValueError(f"a row at position {row.position} has {len(real)} cached positions")
+            if row.position and real[-1] == row.position - 1:  # no padding between them: one slice
+                real = slice(0, row.position)  # type: ignore[assignment]
+            for k, array in enumerate(cache.step.arrays):
+                pasts[k, b, :, :row.position] = array[cache.index][:, real]
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        for layer in range(self.layers):
-            feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = pasts[2 * layer], pasts[2 * layer + 1]
+        feeds.update(zip(self._pasts, pasts))
+        return self._step(feeds, mask, lengths - 1)
+
+    def _step(self, feeds: dict[str, np.ndarray], mask: np.ndarray, last: np.ndarray) -> list[tuple[np.ndarray, object]]:
         logits, *presents = self._run(self._outputs, feeds)
-        fresh = np.stack([p[:, :, past:] for p in presents], axis=1)  # [B, 2 * layers, H, new, Dh]
-        results: list[tuple[np.ndarray, object]] = []
-        for b, row in enumerate(rows):
-            n = len(row.tokens)
-            # A sequence's cache: one buffer for its whole reservation, filled in place step by step.
-            cache = row.cache if row.cache is not None else np.empty(
-                (2 * self.layers, self.heads, max(row.capacity, row.position + n), self.head_dim), dtype=np.float32)
-            cache[:, :, row.position:row.position + n] = fresh[b, :, :, :n]  # type: ignore[index]
-            results.append((np.array(logits[b, n - 1]), cache))  # a copy the scheduler may change
-        return results
+        caches = _StepCaches(tuple(presents), mask)
+        chosen = logits[np.arange(len(last)), last]  # [B, V]: each row's logits after its last new token (a copy)
+        return [(chosen[b], RowCache(caches, b)) for b in range(len(last))]
 
 
 def int_parameter(config: mc.ModelConfig, key: str, default: int) -> int:

@@ -15,11 +15,13 @@ tests); ``offload`` runs it off the event loop (an executor; a direct call in
 the tests, so no real time passes). Everything else runs on the event loop
 thread, emit callbacks included.
 
-Each sequence keeps its own cache between steps (an opaque value from the
-step function); the step pads the rows' caches to the longest one with the
-attention mask. Per-sequence caches let a sequence join or leave without
-touching the others' arrays, and a row's numbers do not depend on its
-neighbours, so a greedy sequence decodes the same tokens batched or alone.
+Each sequence keeps its own cache between steps, an opaque value from the
+step function (the ONNX step's is its row of the last step's arrays, fed
+back as they are while the same rows keep decoding together); the step pads
+the rows' caches to the longest one with the attention mask. A sequence
+joins or leaves without the others' caches changing, and a row's numbers do
+not depend on its neighbours, so a greedy sequence decodes the same tokens
+batched or alone.
 
 Sampling (``choose_token``): temperature 0 is greedy; otherwise softmax at
 the temperature, cut to the ``top_p`` nucleus, drawn with the sequence's own
@@ -73,7 +75,6 @@ class StepRow:
     tokens: Sequence[int]
     position: int
     cache: object | None
-    capacity: int = 0  # positions the sequence may reach (prompt + max_tokens): what its cache may hold
 
 
 class StepFunction(Protocol):
@@ -225,12 +226,12 @@ class Scheduler:
         while self._waiting and len(self._running) + len(joining) < self._batch:
             joining.append(self._waiting.popleft())
         if joining:
-            rows = [StepRow(s.prompt, 0, None, s.capacity) for s in joining]
+            rows = [StepRow(s.prompt, 0, None) for s in joining]
             self._running.extend(joining)  # counted as running (and held) from their prefill on
             await self._run_step(joining, rows)
         decoding = [s for s in self._running if s not in joining]
         if decoding:
-            await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache, s.capacity) for s in decoding])
+            await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache) for s in decoding])
 
     async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow]) -> None:
         step = self._step
