@@ -77,7 +77,9 @@ def test_suite_generation_section(model_repo: Path, tmp_path: Path) -> None:
 
     section = run_generation(SuiteContext(SuiteSettings.for_run(model_repo, quick=True), tmp_path))
     rows = {(r["setup"], r["streams"]): r for r in section.rows}
-    setups = ("1 worker, continuous batching", "1 worker, one at a time", "2 workers, continuous batching")
+    setups = ("1 worker, continuous batching", "1 worker, one at a time", "2 workers, continuous batching",
+              "1 worker straight, continuous batching", "1 worker straight, one at a time")
     assert set(rows) == {(s, n) for s in setups for n in (1, 16)}
     assert all(r["errors"] == 0 and r["output_tokens_per_s"] > 0 and r["ttft_p50"] > 0 for r in rows.values())
     assert rows[("1 worker, one at a time", 16)]["vs_serial"] == 1.0
+    assert rows[("1 worker straight, one at a time", 16)]["vs_serial"] == 1.0

@@ -157,6 +157,8 @@ def test_the_suite_section_compares_with_one_sequence_at_a_time(tmp_path: Any) -
         return stream_level_result(16, window, stable=True, windows=1)
 
     rows = gen_rows({("1 worker, continuous batching", 16): level(40), ("1 worker, one at a time", 16): level(10),
-                     ("2 workers, continuous batching", 1): level(5)})
-    assert [r["vs_serial"] for r in rows] == [4.0, 1.0, None]
+                     ("2 workers, continuous batching", 1): level(5),
+                     ("1 worker straight, continuous batching", 16): level(60),
+                     ("1 worker straight, one at a time", 16): level(12)})
+    assert [r["vs_serial"] for r in rows] == [4.0, 1.0, None, 5.0, 1.0]  # each path against its own one-at-a-time
     assert rows[0]["output_tokens_per_s"] == 40.0 and rows[0]["requests_per_s"] == 1.0
