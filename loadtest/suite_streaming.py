@@ -1,7 +1,7 @@
 """The ``streaming`` section of the benchmark suite: decoupled models through the gateway.
 
 ``repeat_int32`` answers one request with one response per value, DELAY ms
-apart: 32 values at 4 ms each. The section measures, with ``infergate bench
+apart: 32 values at 4 ms each (8 with ``--quick``). The section measures, with ``infergate bench
 --streaming``, the time to first response and the time between responses
 straight to a worker and through a gateway (gRPC ``ModelStreamInfer``, and
 HTTP ``generate_stream`` where the gateway serves it) at 1 and 16 open
@@ -37,6 +37,7 @@ from loadtest.suite_report import Column, SectionResult
 
 STREAM_MODEL = "repeat_int32"
 STREAM_VALUES = 32
+QUICK_VALUES = 8  # --quick checks the pipeline: shorter requests
 STREAM_DELAY_MS = 4
 STREAM_LEVELS = (1, 16)
 # Requests measured per level: each takes 32 x 4 ms, and the model's two
@@ -176,7 +177,8 @@ def stream_rows(measured: Mapping[tuple[str, int], StreamLevelResult],
 
 
 def run_streaming(ctx: SuiteContext) -> SectionResult:
-    data = write_repeat_data(ctx.workdir / "repeat_int32.json")
+    values = QUICK_VALUES if ctx.settings.quick else STREAM_VALUES
+    data = write_repeat_data(ctx.workdir / "repeat_int32.json", values)
     scale = 0.25 if ctx.settings.quick else 1.0
     measured: dict[tuple[str, int], StreamLevelResult] = {}
     forward: dict[tuple[str, int], dict[str, Any]] = {}
@@ -212,14 +214,14 @@ def run_streaming(ctx: SuiteContext) -> SectionResult:
         silent = sorted({p for (p, _), gap in forward.items() if gap["count"] == 0})
         if silent:
             notes.append(f"no forward gap for {', '.join(silent)}: that frontend does not report its writes")
-    notes.append(f"{STREAM_MODEL}: {STREAM_VALUES} values, DELAY {STREAM_DELAY_MS} ms per response, "
+    notes.append(f"{STREAM_MODEL}: {values} values, DELAY {STREAM_DELAY_MS} ms per response, "
                  f"{LEVEL_REQUESTS[1]} requests at 1 stream, {LEVEL_REQUESTS[16]} at 16"
                  f"{' (a quarter of that with --quick)' if ctx.settings.quick else ''}, after one warmup request "
                  "per stream; direct = gRPC ModelStreamInfer straight to the worker; ratios = gateway / direct "
                  "at the same number of streams, from one run")
     return SectionResult(
         key="streaming",
-        title=f"Streaming through the gateway ({STREAM_MODEL}, {STREAM_VALUES} responses of {STREAM_DELAY_MS} ms)",
+        title=f"Streaming through the gateway ({STREAM_MODEL}, {values} responses of {STREAM_DELAY_MS} ms)",
         columns=(
             Column("path", "path"), Column("streams", "streams"),
             Column("responses_per_s", "responses/s", ",.0f"),
