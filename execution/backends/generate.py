@@ -66,7 +66,8 @@ RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
 
 @dataclass(frozen=True, slots=True)
 class _StepCaches:
-    """What one step left for its rows: key then value of each layer ([B, H, T, Dh]) and the mask of real columns [B, T]."""
+    """What one step left for its rows: key then value of each layer ([B, H, T, Dh]) and the mask of
+    the columns that are real ([B, T])."""
 
     arrays: tuple[np.ndarray, ...]
     mask: np.ndarray
@@ -171,7 +172,8 @@ class DecoderStep:
         feeds.update(zip(self._pasts, pasts))
         return self._step(feeds, mask, lengths - 1)
 
-    def _step(self, feeds: dict[str, np.ndarray], mask: np.ndarray, last: np.ndarray) -> list[tuple[np.ndarray, object]]:
+    def _step(self, feeds: dict[str, np.ndarray], mask: np.ndarray,
+              last: np.ndarray) -> list[tuple[np.ndarray, object]]:  # fmt: skip
         logits, *presents = self._run(self._outputs, feeds)
         caches = _StepCaches(tuple(presents), mask)
         chosen = logits[np.arange(len(last)), last]  # [B, V]: each row's logits after its last new token (a copy)
