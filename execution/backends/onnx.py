@@ -8,9 +8,7 @@ only awaits the pool. On the CPU (``cpu_sessions``, default ``adaptive``) a
 model version also holds one session on every core, which a run takes when
 no other runs and none ran beside another for as long as a run takes: a lone
 request gets every core, concurrent ones their instances' narrower sessions
-side by side. Only that every-core session's intra-op threads spin between
-the operators of a run (``wide_spinning``, default on); every other
-session's sleep.
+side by side.
 
 Device: ``--device auto`` picks CUDA only when ONNX Runtime has the CUDA
 provider *and* the CUDA driver reports a device (see ``execution.devices``);
@@ -93,12 +91,6 @@ _CONFIG_TYPES: dict[int, int] = {
 
 
 CPU_SESSIONS = ("shared", "per_instance", "adaptive")
-
-
-def _flag(value: object, key: str) -> bool:
-    if str(value) not in ("0", "1"):
-        raise InvalidArgument(f"--backend-option {key}={value}: expected 0 or 1")
-    return str(value) == "1"
 
 
 def default_intra_op_threads(cores: int, device: str, cpu_sessions: str = DEFAULT_CPU_SESSIONS) -> int:
@@ -231,7 +223,6 @@ class OnnxBackend:
         shared = self.cpu_sessions == "shared" and self.device == "cpu"
         self._adaptive = self.cpu_sessions == "adaptive" and self.device == "cpu"
         self._wide_threads = max(1, cores)
-        self._wide_spinning = _flag(options.extra.get("wide_spinning", "1"), "wide_spinning")
         self._activity = _Activity()
         self.intra_op_threads = options.intra_op_threads or default_intra_op_threads(cores, self.device, self.cpu_sessions)
         # Shared: as many Run calls at once as cores, all on the one pool of each session
@@ -256,8 +247,7 @@ class OnnxBackend:
             f"providers: {', '.join(self.providers)}{gpus}; "
             f"{self.execution_threads} execution threads x {self.intra_op_threads} intra-op threads"
             + ("; CPU instances of a model version share one session" if self._shared else "")
-            + (f"; a lone run takes a session of {self._wide_threads} threads"
-               + (" (spinning)" if self._wide_spinning else "") if self._adaptive else "")
+            + (f"; a lone run takes a session of {self._wide_threads} threads" if self._adaptive else "")
         )
 
     # --- config -----------------------------------------------------------
@@ -313,16 +303,15 @@ class OnnxBackend:
         wide = self._sessions.get(key)
         if wide is None:
             threads = self.intra_op_threads if self._shared else self._wide_threads
-            spinning = self._adaptive and self._wide_spinning
-            wide = _Session(self._create_session(path, version_dir, config, placement, threads, spinning=spinning))
+            wide = _Session(self._create_session(path, version_dir, config, placement, threads))
             self._sessions[key] = wide
         if self._shared:
             return OnnxInstance(wide, placement, self._executor, model=config.name)
         own = _Session(self._create_session(path, version_dir, config, placement))
         return OnnxInstance(own, placement, self._executor, model=config.name, wide=wide, activity=self._activity)
 
-    def _create_session(self, path: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement,
-                        threads: int = 0, *, spinning: bool = False) -> ort.InferenceSession:  # fmt: skip
+    def _create_session(self, path: Path, version_dir: Path, config: mc.ModelConfig,
+                        placement: Placement, threads: int = 0) -> ort.InferenceSession:  # fmt: skip
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or self.intra_op_threads
         options.inter_op_num_threads = 1
@@ -332,10 +321,8 @@ class OnnxBackend:
         # Idle intra-op threads sleep instead of spinning: several sessions share
         # the cores, and a spinning pool steals them from the others (measured on a
         # busy 2-core machine: one 2-thread cnn session ran at 0.3-0.5x its rows/s
-        # with spinning on). The adaptive every-core session is the exception: it
-        # runs only when nothing else does, and its threads waking for each operator
-        # cost a lone request 5-10% (cnn_large at one client on 2 cores).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        # with spinning on).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if placement.kind == "cuda":
             providers: list[str | tuple[str, dict[str, str]]] = [(_CUDA, {"device_id": str(placement.device_id)}), _CPU]
         else:

@@ -127,27 +127,3 @@ async def test_adaptive_keeps_narrow_sessions_just_after_runs_met(tmp_path: Path
         assert used[3] is first._wide
     finally:
         made.close()
-
-
-def _spins(session: object) -> str:
-    return session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("extra, wide", [({}, "1"), ({"wide_spinning": "0"}, "0")])
-def test_only_the_adaptive_every_core_session_spins(tmp_path: Path, extra: dict[str, str], wide: str) -> None:
-    version_dir = write_model(tmp_path / "add", add_model())
-    made = create_backend("onnx", BackendOptions(device="cpu", extra={"cpu_sessions": "adaptive", **extra}))
-    shared = backend("shared")
-    try:
-        instance = made.load(tmp_path / "add", version_dir, config_of(made, version_dir), Placement("cpu"))
-        assert (_spins(instance._wide), _spins(instance._session)) == (wide, "0")
-        # Runs side by side on a shared session: its threads never spin.
-        assert _spins(shared.load(tmp_path / "add", version_dir, config_of(shared, version_dir), Placement("cpu"))._session) == "0"
-    finally:
-        made.close()
-        shared.close()
-
-
-def test_wide_spinning_takes_zero_or_one() -> None:
-    with pytest.raises(InvalidArgument, match="wide_spinning=yes: expected 0 or 1"):
-        create_backend("onnx", BackendOptions(device="cpu", extra={"wide_spinning": "yes"}))
