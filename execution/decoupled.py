@@ -12,7 +12,12 @@ sends goes out at once as a ``ModelStreamInferResponse``, as Triton sends it.
   set ``triton_enable_empty_final_response: true``; otherwise nothing marks
   the end (Triton's behaviour).
 - An error raises out of :func:`serve_decoupled`: the caller (the service's
-  stream handler) reports it in-stream, and the request ends there.
+  stream handler) reports it in-stream (:func:`stream_error_response`), and
+  the request ends there. Triton's in-stream error is its message alone; ours
+  also names the error's gRPC status in the parameter
+  ``infergate_error_code``, so a gateway answers a request's fault (a prompt
+  longer than the model's context) as the client's, not as its worker's
+  (:func:`stream_error_code`).
 - The caller's task cancelled (the stream call cancelled) closes the model's
   response iterator, which cancels the request (``LoadedModel.stream``).
 """
@@ -22,17 +27,37 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 
+import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.backends.base import StreamEvent
 from execution.model import LoadedModel
 from execution.tensors import encode_response
 from protos import codec
+from protos.errors import InferGateError
 
 FINAL_RESPONSE = "triton_final_response"
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
+ERROR_CODE = "infergate_error_code"
 
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
+
+
+def stream_error_response(request: service_pb2.ModelInferRequest, error: InferGateError
+                          ) -> service_pb2.ModelStreamInferResponse:  # fmt: skip
+    """The in-stream answer to a request that failed: its message, the request's id, and the error's status."""
+    response = service_pb2.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                              id=request.id)
+    response.parameters[ERROR_CODE].string_param = error.grpc_code.name
+    return service_pb2.ModelStreamInferResponse(error_message=error.message, infer_response=response)
+
+
+def stream_error_code(message: service_pb2.ModelStreamInferResponse) -> grpc.StatusCode | None:
+    """The status an in-stream error names (our servers'), or None (Triton's, or a name not known)."""
+    param = message.infer_response.parameters.get(ERROR_CODE)
+    if param is None:
+        return None
+    return grpc.StatusCode.__members__.get(param.string_param)
 
 
 def wants_empty_final(request: service_pb2.ModelInferRequest) -> bool:

@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from protos.errors import retry_metadata
 from serverkit import tracing
 from execution.answers import as_error, load_arguments, model_metadata
-from execution.decoupled import serve_decoupled
+from execution.decoupled import serve_decoupled, stream_error_response
 from execution.manager import ModelManager
 
 logger = logging.getLogger(__name__)
@@ -188,13 +188,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     return
                 response = service_pb2.ModelStreamInferResponse(infer_response=await model.infer(request))
             except Exception as exc:
-                error = as_error(exc, "ModelStreamInfer")
-                response = service_pb2.ModelStreamInferResponse(
-                    error_message=error.message,
-                    infer_response=service_pb2.ModelInferResponse(
-                        model_name=request.model_name, model_version=request.model_version, id=request.id
-                    ),
-                )
+                response = stream_error_response(request, as_error(exc, "ModelStreamInfer"))
             await write(response)
 
         try:

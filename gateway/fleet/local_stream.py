@@ -21,7 +21,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.answers import as_error
-from execution.decoupled import serve_decoupled
+from execution.decoupled import serve_decoupled, stream_error_response
 from execution.model import LoadedModel
 from protos.errors import DeadlineExceeded, InvalidArgument
 
@@ -63,12 +63,7 @@ class LocalStreamCall:
             model = self._manager.get(request.model_name, request.model_version)
             await serve_decoupled(model, request, self._put)
         except Exception as exc:
-            error = as_error(exc, "ModelStreamInfer", self._where)
-            self._messages.put_nowait(service_pb2.ModelStreamInferResponse(
-                error_message=error.message,
-                infer_response=service_pb2.ModelInferResponse(
-                    model_name=request.model_name, model_version=request.model_version, id=request.id),
-            ))
+            self._messages.put_nowait(stream_error_response(request, as_error(exc, "ModelStreamInfer", self._where)))
         finally:
             self._messages.put_nowait(grpc.aio.EOF)
 

@@ -10,10 +10,14 @@ client went away, the deadline passed) cancels the request on the worker.
 
 Errors: a gRPC failure of the call becomes the ``protos.errors`` class the
 worker client maps it to (``WorkerUnreachable`` for a lost worker); an
-in-stream ``error_message`` ends the request with :class:`ModelStreamError`,
-the worker's own words, except a generation backend's refusal when its
-sequences or cache are full ("... is at capacity (N sequences); retry
-later"): ``WorkerBusy``, retried on another replica before the first response.
+in-stream ``error_message`` ends the request with ``InvalidArgument`` where
+an infergate worker names that status beside it
+(``execution.decoupled.stream_error_code``: a prompt longer than the
+context; the request's fault, never charged to the worker), or else with
+:class:`ModelStreamError`, the worker's own words; a generation backend's
+refusal when its sequences or cache are full ("... is at capacity (N
+sequences); retry later") is ``WorkerBusy``, retried on another replica
+before the first response.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2
 
+from execution.decoupled import stream_error_code
 from gateway.fleet.worker_client import WorkerBusy
-from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Internal, InvalidArgument, Unavailable
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
@@ -83,6 +88,8 @@ async def stream_responses(
                 if message.error_message:
                     if _AT_CAPACITY.search(message.error_message):
                         raise WorkerBusy(message.error_message)
+                    if stream_error_code(message) is grpc.StatusCode.INVALID_ARGUMENT:
+                        raise InvalidArgument(message.error_message)  # the request's fault, as the worker judged it
                     raise ModelStreamError(message.error_message)
                 response = message.infer_response
                 ended = is_final(response)

@@ -10,6 +10,7 @@ the bench's timed client (``loadtest.openai_stream``) measures streams.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +143,21 @@ def test_the_benchs_timed_openai_client_measures_streams(up: tuple[Proc, Path]) 
     assert all(t.error is None and 0 < t.output_tokens <= 8 for t in timings), timings
     assert all(t.ttft_s is not None and 0 < t.ttft_s <= t.total_s for t in timings)
     assert all(t.itl_s is None or t.itl_s >= 0 for t in timings)
+
+
+def test_a_prompt_longer_than_the_context_is_the_clients_fault(up: tuple[Proc, Path]) -> None:
+    """The worker refuses it in-stream; the gateway answers 400 with the worker's words, not 500."""
+    proc, _ = up
+    client = _client(proc)
+    words = "exceeds the context of model 'tiny_lm' (512 tokens)"
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+        client.completions.create(model="tiny_lm", prompt="y" * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+        for _ in client.chat.completions.create(model="tiny_lm", messages=[{"role": "user", "content": "z" * 700}],
+                                                 max_tokens=4, stream=True):
+            pass
+    generate = requests.post(f"http://127.0.0.1:{proc.ready['http_port']}/v2/models/tiny_lm/generate",
+                             json={"text_input": "w" * 600, "max_tokens": 4}, timeout=WAIT_S)
+    assert generate.status_code == 400 and words in generate.json()["error"]
+    # The worker was not blamed: it answers the next request at once.
+    assert client.completions.create(model="tiny_lm", prompt="ok", max_tokens=3).choices[0].finish_reason == "length"

@@ -59,3 +59,21 @@ async def test_each_message_holds_its_own_outputs_when_shapes_names_and_types_ch
     assert await serve_decoupled(_Model(events), request, write) == len(events)  # type: ignore[arg-type]
     assert written == [_expected(request, event) for event in events]
     assert written[7].infer_response.raw_output_contents[0] == b"\x0c\x00\x00\x00longer token"
+
+
+def test_an_in_stream_error_names_its_status_and_tritons_names_none() -> None:
+    import grpc
+
+    from execution.decoupled import stream_error_code, stream_error_response
+    from protos.errors import InvalidArgument, Unavailable
+
+    request = service_pb2.ModelInferRequest(model_name="tiny_lm", model_version="1", id="r7")
+    ours = stream_error_response(request, InvalidArgument("prompt of 601 tokens exceeds the context"))
+    assert ours.error_message == "prompt of 601 tokens exceeds the context"
+    assert (ours.infer_response.model_name, ours.infer_response.id) == ("tiny_lm", "r7")
+    assert stream_error_code(ours) is grpc.StatusCode.INVALID_ARGUMENT
+    assert stream_error_code(stream_error_response(request, Unavailable("unloading"))) is grpc.StatusCode.UNAVAILABLE
+    tritons = service_pb2.ModelStreamInferResponse(error_message="boom", infer_response=service_pb2.ModelInferResponse(id="r7"))
+    assert stream_error_code(tritons) is None
+    ours.infer_response.parameters["infergate_error_code"].string_param = "NOT_A_STATUS"
+    assert stream_error_code(ours) is None
