@@ -242,7 +242,10 @@ class Batcher:
                 hold_until = self._burst_hold(now)
                 if hold_until is not None:
                     return None, hold_until, self._target_rows
-                return self._form(now)[0], None, 0
+                batch = self._form(now)[0]
+                if batch and not self._burst:
+                    self.stats.at_once += 1
+                return batch, None, 0
             # Every replica is busy. One with room still takes a full batch, so that
             # its next batch is already there when it finishes the current one.
             if self._queue.rows >= self._target_rows and self._has_room():

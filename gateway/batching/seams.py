@@ -77,6 +77,7 @@ class BatcherStats:
     cancelled: int = 0  # the caller went away before its batch ran
     batches: int = 0
     pipelined: int = 0  # full batches sent to a busy replica's spare room
+    at_once: int = 0  # adaptive: batches sent as they stood to an idle replica, no burst on (nothing held)
     requeued: int = 0  # batches that found no replica free at once and went back to the queue
     batched_requests: int = 0
     batched_rows: int = 0

@@ -133,8 +133,14 @@ class GatewayCollector(Collector):
             "Requests the gateway refused or dropped before sending them (queue_full, displaced, queue_timeout, deadline)",
             labels=[*labels, "reason"],
         )
+        at_once = CounterMetricFamily(
+            "infergate_batches_sent_at_once",
+            "Batches the adaptive batcher sent as they stood to an idle replica, with no burst on (nothing held)",
+            labels=labels,
+        )
         for (model, version), b in sorted(self._gw.batchers().items()):
             key = [model, version]
+            at_once.add_metric(key, b.stats.at_once)
             pending.add_metric(key, b.queue_depth())
             depth.add_metric(key, b.queue_depth())
             limit.add_metric(key, b.policy.max_queue_size)
@@ -143,7 +149,7 @@ class GatewayCollector(Collector):
             for reason, n in (("queue_full", s.rejected_full), ("displaced", s.displaced),
                               ("queue_timeout", s.timed_out), ("deadline", s.expired)):
                 rejected.add_metric([*key, reason], n)
-        yield from (pending, depth, limit, inflight, rejected)
+        yield from (pending, depth, limit, inflight, rejected, at_once)
 
     def _workers(self) -> Iterator[Metric]:
         label = ["worker"]
