@@ -7,7 +7,13 @@ Starts, on this machine:
   serving the Python-backend copy of ``mlp`` (models/triton.py: ONNX Runtime
   on the CPU inside Triton's Python stub, Triton's dynamic batcher on);
 * an infergate worker serving the ONNX ``mlp``;
-* one gateway in front of the Triton server and one in front of the worker.
+* one gateway in front of the Triton server and one in front of the worker;
+* ``infergate serve`` running the same ``mlp`` in its own process (one
+  process, as Triton is);
+* a bare ``grpc.aio`` server that answers every call with a prebuilt reply
+  (``loadtest.echo_server``, copied from the worker's answer, no model run):
+  the most any Python gRPC server reaches on this machine with these
+  clients, the floor of every Python server's work per request.
 
 Both servers get the same number of single-threaded ONNX Runtime executors
 (Triton: instances of the model; the worker: execution threads), so the
@@ -15,7 +21,7 @@ comparison is of the serving paths, not of thread counts. Then
 ``infergate bench`` (closed loop, gRPC, batch 1) measures each target at each
 concurrency level, targets interleaved per level so drift in the machine's
 load hits all three alike: Triton directly, the gateway to Triton, the
-gateway to the worker.
+gateway to the worker, ``serve``, the bare echo server.
 
 Run: ``python bench/triton_compare.py [--concurrency 16 64] [--json out.json]``.
 Linux x86_64 only (the bundled Triton). Clients and servers share the
@@ -130,10 +136,17 @@ def main() -> int:
             gateways[name] = start(["gateway", "--http-port", "0", "--grpc-port", "0", "--worker", address,
                                     "--log-level", "WARNING", *extra])
             procs.append(gateways[name])
+        serve = start(["serve", "--model-repository", str(onnx_repo), "--http-port", "0", "--grpc-port", "0",
+                       "--execution-threads", str(args.executors), "--intra-op-threads", "1", "--log-level", "WARNING"])
+        procs.append(serve)
+        echo = start(["--like", worker_url(worker), "--model", MODEL], module="loadtest.echo_server")
+        procs.append(echo)
         targets = {
             "triton direct": triton.grpc_url,
             "gateway -> triton": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
             "gateway -> infergate worker": f"127.0.0.1:{gateways['worker'].ready['grpc_port']}",
+            "infergate serve": worker_url(serve),
+            "bare grpc.aio echo, no model": worker_url(echo),
         }
         if args.without_burst_hold:  # the same gateway without batching.burst_hold_us, for a before/after
             targets["gateway -> worker, no burst hold"] = (
