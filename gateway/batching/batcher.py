@@ -31,6 +31,10 @@ Modes:
   slots free one by one and each takes the handful that came meanwhile (200
   single-row calls ran as 50-150 executions); with it the burst runs in
   batches of ``max_batch_size``, and a request waits the hold at most once.
+  A hold also ends once as many requests of the model are queued or running
+  as the most the previous second saw at once: closed-loop clients all in,
+  who send no more until answered (not while this second has seen more than
+  twice that many: a burst keeps its hold).
 * ``fixed``, Triton's dynamic batcher: wait up to ``max_queue_delay_us`` from
   the oldest queued request for a preferred size (or ``max_batch_size`` when
   none is preferred), fire early when a preferred size can be formed. Like
@@ -58,6 +62,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from gateway.batching.held import HeldPeak
 from gateway.batching.policy import DEFAULT_MAX_QUEUE_SIZE, BatchingMode, BatchPolicy, TimeoutAction
 from gateway.batching.request_queue import Entry, EntryState, RequestQueue, earliest
 from gateway.batching.seams import BatcherStats, Capacity, Clock, Dispatch, LoopClock, NotSent
@@ -122,6 +127,8 @@ class Batcher:
         self._hold_s = policy.burst_hold_us / 1e6 if self._adaptive else 0.0
         self._burst = False
         self._last_arrival = 0.0
+        # The most requests held at once, a window back: a hold that has them all again ends.
+        self._peak = HeldPeak()
 
     # ---- public API ----
 
@@ -148,6 +155,7 @@ class Batcher:
             raise DeadlineExceeded(f"{request_name(req)} deadline passed before it was queued")
         entry = self._queue.admit(req, now)
         self._last_arrival = now
+        self._peak.note(now, self._queue.count + self._queue.running)
         if self._hold_s and not self._burst and not self._capacity.has_capacity():
             self._burst = True
         self._wake_for(entry)
@@ -241,7 +249,7 @@ class Batcher:
             if self._capacity.has_capacity():  # a replica is idle: send what is queued
                 hold_until = self._burst_hold(now)
                 if hold_until is not None:
-                    return None, hold_until, self._target_rows
+                    return None, hold_until, self._hold_wake_rows()
                 batch = self._form(now)[0]
                 if batch and not self._burst:
                     self.stats.at_once += 1
@@ -260,10 +268,19 @@ class Batcher:
         batch, ready_at = self._form(now)
         return batch, ready_at, 0
 
+    def _hold_wake_rows(self) -> float:
+        """Queued rows at which an arrival may end a hold: the target, or fewer if they make every request here."""
+        missing = self._peak.missing(self._queue.count + self._queue.running)
+        return self._target_rows if missing is None else min(self._target_rows, self._queue.rows + max(1, missing))
+
     def _burst_hold(self, now: float) -> float | None:
         """Under a burst, until when a batch short of its target rows still waits for more (None: it goes)."""
         if not self._burst or self._queue.rows >= self._target_rows:
             return None
+        held = self._queue.count + self._queue.running
+        self._peak.note(now, held)
+        if self._peak.all_in(held):
+            return None  # closed-loop clients all in: no more are coming (gateway.batching.held)
         first = next(self._queue.iter_queued(), None)  # the first served: the oldest of its level
         # Until the hold ends, or rows stop coming for a quarter of it (the batch stopped growing).
         until = min((first.enqueued_at if first is not None else now) + self._hold_s,

@@ -143,10 +143,15 @@ class BatchPolicy:
         adaptive mode, even where the default mode is ``fixed``, and no queue
         delay of its own -- so a request waits out Triton's delay once, not
         twice; what queues here while every replica is busy still goes as one
-        batch, which Triton may merge further (no burst hold either). ``off`` stays off.
+        batch, which Triton may merge further. The burst hold stays where the
+        config sets no ``max_queue_delay_microseconds`` (Triton then runs what
+        reaches a free instance at once) and goes where it sets one (no second
+        wait). ``off`` stays off.
         """
+        # A Triton server that waits out a queue delay of its own gets no hold here: one wait, not two.
+        theirs_wait = backend_batches and cfg.dynamic_batching.max_queue_delay_microseconds > 0
         values: dict[str, Any] = {"max_batch_size": max(cfg.max_batch_size, 0), "max_queue_size": default_max_queue_size,
-                                  "burst_hold_us": 0 if backend_batches else default_burst_hold_us}
+                                  "burst_hold_us": 0 if theirs_wait else default_burst_hold_us}
         if cfg.HasField("dynamic_batching"):
             db = cfg.dynamic_batching
             qp = db.default_queue_policy

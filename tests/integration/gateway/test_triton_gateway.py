@@ -177,6 +177,11 @@ def test_triton_backed_models_are_forwarded_promptly() -> None:
     assert pinned.mode == "fixed"  # a per-model setting still wins
     off = BatchPolicy.from_model_config(config, default_mode="off", backend_batches=True)
     assert off.mode == "off"
+    # The burst hold: none where Triton waits out a queue delay of its own (one wait, not two),
+    # the gateway's where Triton runs what it gets at once.
+    assert BatchPolicy.from_model_config(config, backend_batches=True, default_burst_hold_us=5000).burst_hold_us == 0
+    config.dynamic_batching.max_queue_delay_microseconds = 0
+    assert BatchPolicy.from_model_config(config, backend_batches=True, default_burst_hold_us=5000).burst_hold_us == 5000
 
 
 # --- the module's pool -----------------------------------------------------------------

@@ -100,3 +100,52 @@ async def test_no_hold_without_the_setting_or_while_draining(rig) -> None:
     assert held.batches() == [["a"], ["b"]]
     held.backend.complete(1)
     await closing
+
+
+async def _three_at_once_then_idle(r) -> None:
+    """a runs while b and c wait (three requests in the gateway at once), then the model idles."""
+    await r.submit_all("a", "b", "c")
+    r.backend.complete(0)
+    await r.clock.advance(0.00125)  # no earlier window to go by: the hold waits for rows to stop
+    assert r.batches() == [["a"], ["b", "c"]]
+    r.backend.complete(1)
+    await settle()
+
+
+async def test_closed_loop_clients_all_back_end_the_hold_at_once(rig) -> None:
+    r = await rig(max_batch_size=8, burst_hold_us=HOLD_US)
+    await _three_at_once_then_idle(r)
+    await r.clock.advance(1.0)  # the next window: three at once were the most of the last one
+    started = r.clock.t
+    await r.submit_all("d", "e", "f")  # d goes at once; e and f find the slot busy
+    r.backend.complete(2)
+    await settle()
+    assert r.batches()[-1] == ["d"]  # two of three here: d's client has not sent again yet
+    await r.submit_all("g")  # it has: all three here, and no more can come until they are answered
+    assert r.batches()[-1] == ["e", "f", "g"]
+    assert r.clock.t == started  # without waiting out any of the hold
+
+
+async def test_a_burst_larger_than_the_last_window_is_still_held(rig) -> None:
+    r = await rig(max_batch_size=8, burst_hold_us=HOLD_US)
+    await _three_at_once_then_idle(r)
+    await r.clock.advance(1.0)
+    await r.submit_all(*"defghijk")  # eight at once, more than twice the last window's most: a burst
+    r.backend.complete(2)
+    await settle()
+    assert r.batches()[-1] == ["d"]  # seven queued are more than three, but a burst keeps its hold
+    await r.submit_all("l")
+    assert r.batches()[-1] == list("efghijkl")  # full: goes at once
+
+
+async def test_the_hold_forgets_a_window_long_gone(rig) -> None:
+    r = await rig(max_batch_size=8, burst_hold_us=HOLD_US)
+    await _three_at_once_then_idle(r)
+    await r.clock.advance(2.5)  # a whole window with nothing: the three are no longer known
+    await r.submit_all("d", "e", "f")
+    r.backend.complete(2)
+    await settle()
+    await r.submit_all("g")
+    assert r.batches()[-1] == ["d"]  # held as in a first burst
+    await r.clock.advance(0.00125)
+    assert r.batches()[-1] == ["e", "f", "g"]
