@@ -155,7 +155,7 @@ class Batcher:
             raise DeadlineExceeded(f"{request_name(req)} deadline passed before it was queued")
         entry = self._queue.admit(req, now)
         self._last_arrival = now
-        self._peak.note(now, self._queue.count + self._queue.running)
+        self._peak.note(now, self._held())
         if self._hold_s and not self._burst and not self._capacity.has_capacity():
             self._burst = True
         self._wake_for(entry)
@@ -268,16 +268,20 @@ class Batcher:
         batch, ready_at = self._form(now)
         return batch, ready_at, 0
 
+    def _held(self) -> int:
+        """Requests of this model in the gateway now: queued, or in a batch not answered yet."""
+        return self._queue.count + self._queue.running
+
     def _hold_wake_rows(self) -> float:
         """Queued rows at which an arrival may end a hold: the target, or fewer if they make every request here."""
-        missing = self._peak.missing(self._queue.count + self._queue.running)
+        missing = self._peak.missing(self._held())
         return self._target_rows if missing is None else min(self._target_rows, self._queue.rows + max(1, missing))
 
     def _burst_hold(self, now: float) -> float | None:
         """Under a burst, until when a batch short of its target rows still waits for more (None: it goes)."""
         if not self._burst or self._queue.rows >= self._target_rows:
             return None
-        held = self._queue.count + self._queue.running
+        held = self._held()
         self._peak.note(now, held)
         if self._peak.all_in(held):
             return None  # closed-loop clients all in: no more are coming (gateway.batching.held)
