@@ -111,13 +111,11 @@ def _summary(results: list[tuple[float, float | None, int]], wall_s: float) -> d
             "itl_ms": 1000 * statistics.median(itls) if itls else 0.0}
 
 
-def _round(path: str, worker: str, gateway_grpc: str, gateway_http: str, concurrency: int, max_tokens: int,
-           tag: str) -> dict[str, float]:
-    if path == "worker gRPC":
-        return asyncio.run(_grpc_round(worker, concurrency, max_tokens, tag))
-    if path == "gateway gRPC":
-        return asyncio.run(_grpc_round(gateway_grpc, concurrency, max_tokens, tag))
-    return asyncio.run(_openai_round(f"http://{gateway_http}/v1", concurrency, max_tokens))
+def _round(path: str, urls: dict[str, str], concurrency: int, max_tokens: int, tag: str) -> dict[str, float]:
+    """One round of ``path``; ``urls`` maps each path to the address it sends to."""
+    if "OpenAI" in path:
+        return asyncio.run(_openai_round(f"http://{urls[path]}/v1", concurrency, max_tokens))
+    return asyncio.run(_grpc_round(urls[path], concurrency, max_tokens, tag))
 
 
 def main() -> int:
@@ -125,6 +123,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--per-request-calls", action="store_true",
+                        help="also a second gateway with worker_streams: per_request (a call per streamed request)")
     args = parser.parse_args()
     if not (MODELS_DIR / "tiny_lm" / "1" / "model.onnx").is_file():
         print("build the example models first: infergate models build", file=sys.stderr)
@@ -133,28 +133,38 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(MODELS_DIR / "tiny_lm", Path(tmp) / "tiny_lm")
         worker = start_worker(tmp)
+        gateways = []
         try:
-            gateway = start(["gateway", "--worker", worker_url(worker), "--http-port", "0", "--grpc-port", "0"])
-            try:
-                addresses = (worker_url(worker), f"127.0.0.1:{gateway.ready['grpc_port']}",
-                             f"127.0.0.1:{gateway.ready['http_port']}")
-                for concurrency in args.concurrency:
-                    for path in PATHS:  # warm every path at the shapes measured
-                        _round(path, *addresses, concurrency, args.max_tokens, f"warm-{concurrency}")
-                    for n in range(args.rounds):
-                        for path in PATHS:
-                            results.setdefault((concurrency, path), []).append(
-                                _round(path, *addresses, concurrency, args.max_tokens, f"{concurrency}-{n}"))
-            finally:
-                gateway.stop()
+            paths = list(PATHS)
+            gateways.append(start(["gateway", "--worker", worker_url(worker), "--http-port", "0", "--grpc-port", "0"]))
+            urls = {"worker gRPC": worker_url(worker),
+                    "gateway gRPC": f"127.0.0.1:{gateways[0].ready['grpc_port']}",
+                    "gateway OpenAI SSE": f"127.0.0.1:{gateways[0].ready['http_port']}"}
+            if args.per_request_calls:
+                config = Path(tmp) / "per_request.yaml"
+                config.write_text("worker_streams: per_request\n")
+                gateways.append(start(["gateway", "--worker", worker_url(worker), "--http-port", "0",
+                                       "--grpc-port", "0", "--config", str(config)]))
+                urls["gateway gRPC, call per request"] = f"127.0.0.1:{gateways[1].ready['grpc_port']}"
+                urls["gateway OpenAI SSE, call per request"] = f"127.0.0.1:{gateways[1].ready['http_port']}"
+                paths += ["gateway gRPC, call per request", "gateway OpenAI SSE, call per request"]
+            for concurrency in args.concurrency:
+                for path in paths:  # warm every path at the shapes measured
+                    _round(path, urls, concurrency, args.max_tokens, f"warm-{concurrency}")
+                for n in range(args.rounds):
+                    for path in paths:
+                        results.setdefault((concurrency, path), []).append(
+                            _round(path, urls, concurrency, args.max_tokens, f"{concurrency}-{n}"))
         finally:
+            for gateway in gateways:
+                gateway.stop()
             worker.stop()
     print(f"tiny_lm, {args.max_tokens} tokens a generation, {args.rounds} rounds (median)")
     print("| streams | path | output tokens/s | time to first token p50 | inter-token latency p50 | ITL vs direct |")
     print("|---:|---|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         direct = statistics.median(r["itl_ms"] for r in results[(concurrency, PATHS[0])])
-        for path in PATHS:
+        for path in paths:
             rows = results[(concurrency, path)]
             itl = statistics.median(r["itl_ms"] for r in rows)
             print(f"| {concurrency} | {path} | {statistics.median(r['tokens_per_s'] for r in rows):.0f} | "

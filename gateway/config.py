@@ -30,6 +30,7 @@ from gateway.settings import (
     PARALLEL_KEYS,
     PLACEMENT_KEYS,
     WORKER_CALLS,
+    WORKER_STREAMS,
     WORKER_KINDS,
     ConfigError,
     GatewayConfig,
@@ -257,7 +258,7 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 
 def _validate(config: GatewayConfig) -> None:
     """What no group checks itself: the top-level keys and the models."""
-    choices = {"worker_calls": WORKER_CALLS, "model_control_mode": MODEL_CONTROL_MODES}
+    choices = {"worker_calls": WORKER_CALLS, "worker_streams": WORKER_STREAMS, "model_control_mode": MODEL_CONTROL_MODES}
     for key, allowed in choices.items():
         if getattr(config, key) not in allowed:
             raise ConfigError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")

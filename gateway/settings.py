@@ -20,6 +20,7 @@ WORKER_KINDS = ("infergate", "triton")
 BATCHING_MODES = ("adaptive", "fixed", "off")
 MODEL_CONTROL_MODES = ("none", "explicit")
 WORKER_CALLS = ("unary", "stream")
+WORKER_STREAMS = ("packed", "per_request")
 LOCAL_DEVICES = ("auto", "cpu", "cuda")
 # How a local replica's ONNX Runtime sessions use the CPU (execution.backends.onnx).
 CPU_SESSIONS = ("adaptive", "shared", "per_instance")
@@ -363,6 +364,9 @@ class GatewayConfig:
     worker_dns: tuple[str, ...] = ()
     # "unary" or "stream": see gateway.fleet.worker_stream.
     worker_calls: str = "unary"
+    # "packed" or "per_request": how streamed requests reach infergate workers
+    # (gateway.fleet.worker_packed_streams).
+    worker_streams: str = "packed"
     default_timeout_s: float = 60.0
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0

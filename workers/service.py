@@ -30,6 +30,8 @@ from serverkit import tracing
 from execution.answers import as_error, load_arguments, model_metadata
 from execution.decoupled import serve_decoupled, stream_error_response
 from execution.manager import ModelManager
+from protos.stream_pack import asks_packing, cancels
+from workers.stream_writers import DirectWriter, PackedWriter
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ EXTENSIONS = ("model_configuration", "model_repository", "model_repository(unloa
 # Requests of one ModelStreamInfer call that may run at once; reading the
 # stream pauses beyond it, so a fast client meets gRPC flow control, not memory growth.
 STREAM_CONCURRENCY = 64
+# On a gateway's packed call: every stream the gateway sends this worker (its router bounds them).
+PACKED_STREAM_CONCURRENCY = 4096
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -165,18 +169,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Each request runs concurrently; responses go out as they complete, errors in-stream.
 
         A decoupled model's request holds its slot until its last response.
+        A gateway's packed call (``protos.stream_pack``) gets its responses
+        packed and may cancel one request by its id.
         """
-        write_lock = asyncio.Lock()  # one context.write at a time
-
-        async def write(response: service_pb2.ModelStreamInferResponse) -> None:
-            async with write_lock:
-                await context.write(response)
-
-        slots = asyncio.Semaphore(STREAM_CONCURRENCY)
+        packed = asks_packing(context.invocation_metadata())
+        writer: DirectWriter | PackedWriter = PackedWriter(context) if packed else DirectWriter(context)
+        slots = asyncio.Semaphore(PACKED_STREAM_CONCURRENCY if packed else STREAM_CONCURRENCY)
         tasks: set[asyncio.Task[None]] = set()
+        running: dict[str, asyncio.Task[None]] = {}  # a packed call's requests, by id, for their cancel
 
-        def done(task: asyncio.Task[None]) -> None:
+        def done(task: asyncio.Task[None], request_id: str) -> None:
             tasks.discard(task)
+            if running.get(request_id) is task:
+                del running[request_id]
             slots.release()
             self.end_request()
 
@@ -184,29 +189,39 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 model = self.manager.get(request.model_name, request.model_version)
                 if model.decoupled:
-                    await serve_decoupled(model, request, write)
+                    await serve_decoupled(model, request, writer.write)
                     return
                 response = service_pb2.ModelStreamInferResponse(infer_response=await model.infer(request))
             except Exception as exc:
                 response = stream_error_response(request, as_error(exc, "ModelStreamInfer"))
-            await write(response)
+            await writer.write(response)
 
         try:
             async for request in request_iterator:
+                if packed and cancels(request):
+                    task = running.pop(request.id, None)
+                    if task is not None:
+                        task.cancel()  # closes its model's stream: the request ends on the worker
+                    continue
                 await slots.acquire()
                 self.begin_request()
                 task = asyncio.get_running_loop().create_task(serve(request))
                 tasks.add(task)
+                if packed:
+                    running[request.id] = task
                 # A done-callback, not a finally in serve(): it runs even for a
                 # task cancelled before its first step.
-                task.add_done_callback(done)
+                task.add_done_callback(functools.partial(done, request_id=request.id))
             # The client half-closed: answer what is still running, then end the call.
             while tasks:
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*tasks, return_exceptions=packed)
+            await writer.close()
         finally:
             # Reached with tasks left only when the call is cancelled (client gone).
             for task in tasks:
                 task.cancel()
+            if isinstance(writer, PackedWriter):
+                writer.cancel()
 
     # --- repository ---------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ admits, resolves and validates it as the request path does
 (``gateway.core.pipeline``), then, for a decoupled model (its config's
 ``model_transaction_policy { decoupled: true }``, as the workers report it),
 runs it here: no batching (a stream is one request's), no response cache,
-one replica picked by the router's replica choice and one ``ModelStreamInfer``
+one replica picked by the router's replica choice and its ``ModelStreamInfer``
 call to it (``gateway.routing.streams``, ``gateway.fleet.stream_call``). Each
 worker response becomes an ``InferResponse`` and is yielded at once; the
 last one carries ``final``. The worker always marks the end with an empty

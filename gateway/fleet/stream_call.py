@@ -1,8 +1,10 @@
-"""One streamed request on one worker: a ``ModelStreamInfer`` call of its own.
+"""One streamed request on one worker: its ``ModelStreamInfer`` call.
 
 A decoupled model answers one request with any number of responses. The
-gateway opens one call per streamed request (never the shared multiplexed
-stream of ``gateway.fleet.worker_stream``), sends the one request with
+worker client gives each streamed request a call: a call of its own (a
+Triton server; ``worker_streams: per_request``) or its share of the
+worker's packed call (``gateway.fleet.worker_packed_streams``), which
+behaves the same here. The request is sent with
 ``triton_enable_empty_final_response`` set, so that the end is always marked
 (a response with ``triton_final_response`` true, with or without outputs),
 reads until that final response and ends the call. Cancelling the call (the

@@ -29,6 +29,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from protos import collective_pb2, wire
+from gateway.fleet.worker_packed_streams import PackedCall, PackedStreams
 from gateway.fleet.worker_stream import InferStream, StreamLost
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
@@ -111,6 +112,7 @@ class WorkerClient:
         credentials: grpc.ChannelCredentials | None = None,
         reconnect_backoff_max_ms: int = 1000,
         stream_calls: bool = False,
+        packed_streams: bool = False,
     ) -> None:
         self.address = address
         self.kind = kind
@@ -145,6 +147,12 @@ class WorkerClient:
         # unary, so a big tensor never holds up the stream's other messages.
         self._stream_calls = stream_calls and kind == "infergate"
         self._stream: InferStream | None = None
+        # With packed_streams, every streamed request to an infergate worker shares
+        # one call whose responses come packed (gateway.fleet.worker_packed_streams).
+        self._packed: PackedStreams | None = None
+        if packed_streams and kind == "infergate":
+            self._packed = PackedStreams(lambda md: self._service(_DATA).ModelStreamInfer(metadata=md),
+                                         self._call_metadata, address)
         self._collective: CollectiveStub | None = None
         self._closed = False
 
@@ -293,9 +301,13 @@ class WorkerClient:
         answer.infer_response.id = request.id
         return answer
 
-    def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
-        """A ``ModelStreamInfer`` call of its own on the data channel, for one streamed
-        request (``gateway.fleet.stream_call``); cancelling it reaches the model."""
+    def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall | PackedCall:
+        """A ``ModelStreamInfer`` call for one streamed request (``gateway.fleet.stream_call``):
+        its share of the worker's packed call, or a call of its own on the data channel;
+        cancelling it reaches the model."""
+        if self._packed is not None:
+            self._service(_DATA)  # raises when the client is closed
+            return self._packed.call(timeout_s)
         return self._service(_DATA).ModelStreamInfer(timeout=timeout_s, metadata=self._call_metadata)
 
     def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
@@ -399,6 +411,8 @@ class WorkerClient:
         stream, self._stream = self._stream, None
         if stream is not None:
             await stream.close(grace_s)
+        if self._packed is not None:
+            await self._packed.close(grace_s)
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         self._collective = self._model_infer = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))

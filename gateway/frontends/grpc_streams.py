@@ -12,7 +12,8 @@ one in-stream ``error_message`` (request id kept); the stream goes on.
 Bounds: at most ``max_inflight`` requests run or wait to be written at once
 (a request's slot is freed when its last response is written), and at most
 ``max_inflight`` responses wait to be written (a request whose client stops
-reading waits, and so, through gRPC flow control, does its worker). Each
+reading waits; its worker's responses wait in the gateway, on a packed call,
+or through gRPC flow control, on a call of its own). Each
 response handed to gRPC is reported to the core (``stream_written``), which
 measures the gap between its arrival from the worker and its write.
 """

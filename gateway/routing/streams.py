@@ -5,7 +5,7 @@ picks one replica with a free slot (``Router.acquire``: waiting streams take
 freed slots in arrival order; a model that batches its own sequences on the
 worker takes up to its ``max_sequences`` per replica), the stream counts as
 in flight there until it ends (``Router.holding``: capacity, drain and
-shutdown see it), and one ``ModelStreamInfer`` call carries it
+shutdown see it), and its ``ModelStreamInfer`` call carries it
 (``gateway.fleet.stream_call``).
 
 Failures: a worker that fails before the first response is a failed attempt

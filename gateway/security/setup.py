@@ -126,7 +126,8 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
         return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials,
-                            stream_calls=config.worker_calls == "stream")
+                            stream_calls=config.worker_calls == "stream",
+                            packed_streams=config.worker_streams == "packed")
 
     return make
 

@@ -1,0 +1,66 @@
+"""Many streamed requests on one ``ModelStreamInfer`` call between a gateway and its worker,
+their responses packed several to a message.
+
+A gateway in front of an infergate worker carries the streamed requests of
+decoupled models (a generation's every token) on one long-lived call per
+worker rather than one call per request. It opens that call with the
+metadata ``infergate-pack: 1``; on such a call, and only there, the worker:
+
+- may send several responses as one message (:func:`pack`): an
+  ``infer_response`` with the parameter ``infergate_packed`` whose
+  ``raw_output_contents`` are the serialized ``ModelStreamInferResponse``s,
+  in order. A generation batch's decode step answers all its sequences at
+  once: on this call that is one gRPC message a step, not one per token;
+- cancels a running request when a message names it (:func:`cancel_request`:
+  no inputs, the request's id, the parameter ``infergate_cancel``), as
+  cancelling a call of its own would.
+
+Every other call (a Triton client's, the gateway's own to a Triton server)
+sees the KServe protocol unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tritonclient.grpc import service_pb2
+
+PACK_METADATA = "infergate-pack"
+PACKED = "infergate_packed"
+CANCEL = "infergate_cancel"
+
+
+def asks_packing(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a call's invocation metadata asks for the packed, cancellable stream."""
+    return any(key == PACK_METADATA and value in ("1", b"1") for key, value in metadata or ())
+
+
+def pack(serialized: Sequence[bytes]) -> service_pb2.ModelStreamInferResponse:
+    """One message carrying ``serialized`` (each a serialized ``ModelStreamInferResponse``), in order."""
+    message = service_pb2.ModelStreamInferResponse()
+    response = message.infer_response
+    response.parameters[PACKED].bool_param = True
+    response.raw_output_contents.extend(serialized)
+    return message
+
+
+def unpack(message: service_pb2.ModelStreamInferResponse) -> list[service_pb2.ModelStreamInferResponse]:
+    """The responses a message carries: those it packs, or itself."""
+    response = message.infer_response
+    param = response.parameters.get(PACKED)
+    if param is None or not param.bool_param:
+        return [message]
+    parse = service_pb2.ModelStreamInferResponse.FromString
+    return [parse(raw) for raw in response.raw_output_contents]
+
+
+def cancel_request(request_id: str) -> service_pb2.ModelInferRequest:
+    """The message that cancels the running request ``request_id`` of a packed call."""
+    request = service_pb2.ModelInferRequest(id=request_id)
+    request.parameters[CANCEL].bool_param = True
+    return request
+
+
+def cancels(request: service_pb2.ModelInferRequest) -> bool:
+    param = request.parameters.get(CANCEL)
+    return param is not None and param.bool_param
