@@ -152,7 +152,7 @@ class WorkerClient:
         self._packed: PackedStreams | None = None
         if packed_streams and kind == "infergate":
             self._packed = PackedStreams(lambda md: self._service(_DATA).ModelStreamInfer(metadata=md),
-                                         self._call_metadata, address)
+                                         self._call_metadata, address, self._packed_call_lost)
         self._collective: CollectiveStub | None = None
         self._closed = False
 
@@ -300,6 +300,14 @@ class WorkerClient:
         # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
         answer.infer_response.id = request.id
         return answer
+
+    def _packed_call_lost(self, e: grpc.aio.AioRpcError) -> InferGateError:
+        # The packed call is long-lived: it fails with its connection or its worker (a worker
+        # stopping cancels it), whatever state the channel reports at that moment.
+        if e.code() not in _TRANSPORT_CODES:
+            return self.map_error(e)
+        return WorkerUnreachable(f"worker {self.address}: streamed requests' call lost "
+                                 f"({e.code().name}: {e.details() or ''})")
 
     def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall | PackedCall:
         """A ``ModelStreamInfer`` call for one streamed request (``gateway.fleet.stream_call``):

@@ -17,9 +17,11 @@ the same way on a call of its own, a packed one or in process:
 - its id on the call is one the call gives it (unique there); the worker
   echoes it and the responses come back to this request alone;
 - ``read`` returns its next response, ``grpc.aio.EOF`` if the worker ended
-  the call cleanly, raises the call's ``AioRpcError`` if it failed (the
-  worker client maps it, as for a call of its own), and raises
-  ``DeadlineExceeded`` at the request's timeout, cancelling it;
+  the call cleanly, raises the error the worker client makes of the call's
+  failure (``lost``: the call ends only with its connection or its worker,
+  so the client's "unreachable", retried elsewhere as for a call of its
+  own), and raises ``DeadlineExceeded`` at the request's timeout,
+  cancelling it;
 - ``cancel`` before its final response sends the worker a cancel for it
   (the request's model stops, as when a call of its own is cancelled);
 - responses are kept per request until it reads them: the call is read
@@ -43,13 +45,15 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.decoupled import FINAL_RESPONSE
-from protos.errors import DeadlineExceeded
+from protos.errors import DeadlineExceeded, InferGateError
 from protos.stream_pack import PACK_METADATA, cancel_request, unpack
 
 log = logging.getLogger(__name__)
 
 OpenCall = Callable[[grpc.aio.Metadata], grpc.aio.StreamStreamCall]
-_Item = service_pb2.ModelStreamInferResponse | grpc.aio.AioRpcError | object
+_Item = service_pb2.ModelStreamInferResponse | InferGateError | object
+# What the worker client makes of the packed call's failure: the error each request on it gets.
+Lost = Callable[[grpc.aio.AioRpcError], InferGateError]
 
 
 _TIMED_OUT = object()
@@ -88,14 +92,15 @@ class _Lane:
         self.inboxes: dict[str, _Inbox] = {}
         self.reader: asyncio.Task[None] | None = None
         self.open = True
-        self.ended: _Item | None = None  # what every later read gets: EOF or the call's failure
+        self.ended: _Item = grpc.aio.EOF  # what every later read gets: EOF or the call's failure
 
 
 class PackedStreams:
     """The packed call of one worker connection."""
 
-    def __init__(self, open_call: OpenCall, metadata: grpc.aio.Metadata, address: str) -> None:
+    def __init__(self, open_call: OpenCall, metadata: grpc.aio.Metadata, address: str, lost: Lost) -> None:
         self._open_call = open_call
+        self._lost = lost
         self._metadata = grpc.aio.Metadata(*metadata, (PACK_METADATA, "1"))
         self.address = address
         self._lane: _Lane | None = None
@@ -124,7 +129,7 @@ class PackedStreams:
                     if inbox is not None:
                         inbox.put(response)
         except grpc.aio.AioRpcError as e:
-            ended = e
+            ended = self._lost(e)
         finally:
             lane.open = False
             lane.ended = ended
@@ -140,7 +145,7 @@ class PackedStreams:
                 await lane.call.write(request)
             except grpc.aio.AioRpcError as e:
                 lane.open = False
-                raise e from None
+                raise self._lost(e) from None
 
     def _cancel(self, lane: _Lane, key: str) -> None:
         lane.inboxes.pop(key, None)
@@ -153,7 +158,7 @@ class PackedStreams:
     async def _send_cancel(self, lane: _Lane, key: str) -> None:
         try:
             await self._send(lane, cancel_request(key))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+        except (InferGateError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             log.debug("worker %s: cancel of stream request %s not sent: %s", self.address, key, e)
 
     async def close(self, grace_s: float | None = None) -> None:
@@ -226,7 +231,7 @@ class PackedCall:
                 f"deadline exceeded while request '{request.id if request else ''}' of model "
                 f"'{request.model_name if request else ''}' was streaming from worker {self._streams.address}")
         self._end()
-        if isinstance(item, grpc.aio.AioRpcError):
+        if isinstance(item, InferGateError):
             raise item
         return item  # EOF
 
@@ -252,8 +257,8 @@ def _final(response: service_pb2.ModelInferResponse) -> bool:
     return param is not None and param.bool_param
 
 
-def _ended(lane: _Lane) -> grpc.aio.UsageError | grpc.aio.AioRpcError:
-    if isinstance(lane.ended, grpc.aio.AioRpcError):
+def _ended(lane: _Lane) -> grpc.aio.UsageError | InferGateError:
+    if isinstance(lane.ended, InferGateError):
         return lane.ended
     return grpc.aio.UsageError("the worker's packed stream call has ended")
 
