@@ -173,9 +173,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         packed and may cancel one request by its id.
         """
         packed = asks_packing(context.invocation_metadata())
-        writer: DirectWriter | PackedWriter = PackedWriter(context) if packed else DirectWriter(context)
-        slots = asyncio.Semaphore(PACKED_STREAM_CONCURRENCY if packed else STREAM_CONCURRENCY)
         tasks: set[asyncio.Task[None]] = set()
+        writer = PackedWriter(context, lone=lambda: len(tasks) == 1) if packed else DirectWriter(context)
+        slots = asyncio.Semaphore(PACKED_STREAM_CONCURRENCY if packed else STREAM_CONCURRENCY)
         running: dict[str, asyncio.Task[None]] = {}  # a packed call's requests, by id, for their cancel
 
         def done(task: asyncio.Task[None], request_id: str) -> None:
@@ -220,8 +220,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             # Reached with tasks left only when the call is cancelled (client gone).
             for task in tasks:
                 task.cancel()
-            if isinstance(writer, PackedWriter):
-                writer.cancel()
+            writer.cancel()
 
     # --- repository ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ until its client takes them, so no request's reader holds back another's.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 from tritonclient.grpc import service_pb2
@@ -70,13 +71,19 @@ class DirectWriter:
     async def close(self) -> None:
         """Every write has been awaited by its caller: nothing is left to send."""
 
+    def cancel(self) -> None:
+        """The call is gone: no write of this writer's outlives it."""
+
 
 class PackedWriter:
-    """Responses queued as they come, written by one task as many to a message as are waiting."""
+    """Responses queued as they come, written by one task as many to a message as are waiting;
+    a request alone on the call writes its own (``lone``), nothing to pack it with."""
 
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, lone: Callable[[], bool]) -> None:
         self._context = context
+        self._lone = lone
         self._queued: list[service_pb2.ModelStreamInferResponse] = []
+        self._writing = False  # a write in flight, the task's or a lone request's
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -84,6 +91,16 @@ class PackedWriter:
     async def write(self, response: service_pb2.ModelStreamInferResponse) -> None:
         if self._closing:
             raise RuntimeError("the stream's writer is closed")
+        if not self._writing and not self._queued and self._lone():
+            # One request on the call: waking the task would only cost this response a turn.
+            self._writing = True
+            try:
+                await self._context.write(response)
+            finally:
+                self._writing = False
+            if self._queued:
+                self._wake.set()  # queued meanwhile (another request started)
+            return
         self._queued.append(response)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -93,11 +110,15 @@ class PackedWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queued:
+            while self._queued and not self._writing:
                 queued, self._queued = self._queued, []
-                for message in _messages(queued):
-                    await self._context.write(message)
-            if self._closing:
+                self._writing = True
+                try:
+                    for message in _messages(queued):
+                        await self._context.write(message)
+                finally:
+                    self._writing = False
+            if self._closing and not self._queued:
                 return
 
     async def close(self) -> None:

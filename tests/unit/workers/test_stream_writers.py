@@ -3,7 +3,8 @@
 Responses queued in one turn of the event loop leave as one packed message,
 in order; later ones go in the next message; a run of responses is cut
 where it would pass ``PACK_MAX_BYTES`` (a large response goes alone);
-closing sends what is queued.
+closing sends what is queued; a request alone on the call writes its own
+response at once, and what others queue meanwhile follows it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def carried(context: FakeContext) -> list[list[str]]:
 
 async def test_one_turns_responses_leave_as_one_message_in_order() -> None:
     context = FakeContext()
-    writer = PackedWriter(context)  # type: ignore[arg-type]
+    writer = PackedWriter(context, lone=lambda: False)  # type: ignore[arg-type]
 
     async def sequence(rid: str) -> None:
         await writer.write(response(rid))
@@ -52,10 +53,23 @@ async def test_one_turns_responses_leave_as_one_message_in_order() -> None:
 
 async def test_a_run_is_cut_before_it_passes_the_byte_cap() -> None:
     context = FakeContext()
-    writer = PackedWriter(context)  # type: ignore[arg-type]
+    writer = PackedWriter(context, lone=lambda: False)  # type: ignore[arg-type]
     half = PACK_MAX_BYTES // 2
     for rid, size in (("a", 10), ("b", 10), ("c", 2 * PACK_MAX_BYTES), ("d", half), ("e", half - 1000), ("f", half)):
         await writer.write(response(rid, size))
     await writer.close()
     assert carried(context) == [["a", "b"], ["c"], ["d", "e"], ["f"]]
     assert all(len(m.SerializeToString()) <= PACK_MAX_BYTES for m in context.messages if len(unpack(m)) > 1)
+
+
+async def test_a_lone_request_writes_at_once_and_what_comes_meanwhile_follows() -> None:
+    context = FakeContext()
+    lone = [True]
+    writer = PackedWriter(context, lone=lambda: lone[0])  # type: ignore[arg-type]
+    first = asyncio.ensure_future(writer.write(response("solo")))
+    await asyncio.sleep(0)  # its write is in flight
+    assert carried(context) == [["solo"]]
+    lone[0] = False  # others joined the call
+    await asyncio.gather(writer.write(response("x1")), writer.write(response("x2")), first)
+    await writer.close()
+    assert carried(context) == [["solo"], ["x1", "x2"]]
