@@ -115,8 +115,9 @@ def run_generation(ctx: SuiteContext) -> SectionResult:
         f"one at a time = {SERIAL}: the same model with max_batch_sequences 1 on the same worker; "
         "vs one at a time = output tokens/s over the one-at-a-time row of the same path at the same streams "
         "(target >= 4x at 16)",
-        "through a gateway every token is read and written once more, on the same cores as the worker and the "
-        "client: where the cores are full, that caps the batched rows, not the one-at-a-time ones",
+        "through a gateway a decode step's tokens reach it as one message (the worker's packed call) and each is "
+        "written once more to its client, on the same cores as the worker and the client: where the cores are "
+        "full, that caps the batched rows, not the one-at-a-time ones",
         "the workers share this machine's cores: 2 workers gain only where cores are free",
     )
     return SectionResult(
