@@ -91,6 +91,9 @@ class PackedWriter:
     async def write(self, response: service_pb2.ModelStreamInferResponse) -> None:
         if self._closing:
             raise RuntimeError("the stream's writer is closed")
+        task = self._task
+        if task is not None and task.done():  # its write failed: the call is broken
+            raise RuntimeError("the stream's writer failed") from (None if task.cancelled() else task.exception())
         if not self._writing and not self._queued and self._lone():
             # One request on the call: waking the task would only cost this response a turn.
             self._writing = True

@@ -73,3 +73,20 @@ async def test_a_lone_request_writes_at_once_and_what_comes_meanwhile_follows() 
     await asyncio.gather(writer.write(response("x1")), writer.write(response("x2")), first)
     await writer.close()
     assert carried(context) == [["solo"], ["x1", "x2"]]
+
+
+async def test_a_failed_write_fails_the_writes_after_it_instead_of_queueing_them() -> None:
+    class Broken(FakeContext):
+        async def write(self, message: service_pb2.ModelStreamInferResponse) -> None:
+            raise ConnectionError("the call is broken")
+
+    writer = PackedWriter(Broken(), lone=lambda: False)  # type: ignore[arg-type]
+    await writer.write(response("a"))  # queued; the writing task fails on it
+    await asyncio.sleep(0)
+    try:
+        await writer.write(response("b"))
+    except RuntimeError as e:
+        assert isinstance(e.__cause__, ConnectionError)
+    else:
+        raise AssertionError("a write after the writer failed was queued")
+    writer.cancel()
