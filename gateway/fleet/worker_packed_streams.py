@@ -45,6 +45,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.decoupled import FINAL_RESPONSE
+from gateway.fleet.worker_stream import end_call
 from protos.errors import DeadlineExceeded, InferGateError
 from protos.stream_pack import PACK_METADATA, cancel_request, unpack
 
@@ -164,21 +165,9 @@ class PackedStreams:
     async def close(self, grace_s: float | None = None) -> None:
         """End the call: half-close it, give what is in flight ``grace_s`` to be answered, cancel the rest."""
         lane, self._lane = self._lane, None
-        if lane is None:
-            return
-        if lane.open:
-            try:
-                async with self._writing:
-                    await lane.call.done_writing()
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                pass  # already ended
-        if lane.reader is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(lane.reader), grace_s or 0.0)
-            except asyncio.TimeoutError:
-                pass
-            lane.call.cancel()
-            await asyncio.gather(lane.reader, *self._cancels, return_exceptions=True)
+        if lane is not None:
+            await end_call(lane.call, lane.open, self._writing, lane.reader, grace_s)
+        await asyncio.gather(*self._cancels, return_exceptions=True)
 
 
 class PackedCall:

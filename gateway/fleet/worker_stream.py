@@ -127,21 +127,27 @@ class InferStream:
     async def close(self, grace_s: float | None = None) -> None:
         """End the stream: half-close it, give what is in flight ``grace_s`` to be answered, cancel the rest."""
         lane, self._lane = self._lane, None
-        if lane is None:
-            return
-        if lane.open:
-            try:
-                async with self._writing:
-                    await lane.call.done_writing()
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                pass  # already ended
-        if lane.reader is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(lane.reader), grace_s or 0.0)
-            except asyncio.TimeoutError:
-                pass
-            lane.call.cancel()
-            await asyncio.gather(lane.reader, return_exceptions=True)
+        if lane is not None:
+            await end_call(lane.call, lane.open, self._writing, lane.reader, grace_s)
+
+
+async def end_call(call: grpc.aio.StreamStreamCall, open_: bool, writing: asyncio.Lock,
+                   reader: asyncio.Task[None] | None, grace_s: float | None) -> None:
+    """End a long-lived stream call: half-close it (when still ``open_``), give its ``reader``
+    ``grace_s`` to read what is in flight, then cancel the call and wait for the reader."""
+    if open_:
+        try:
+            async with writing:
+                await call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # already ended
+    if reader is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), grace_s or 0.0)
+        except asyncio.TimeoutError:
+            pass
+        call.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
