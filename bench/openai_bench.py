@@ -125,6 +125,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-request-calls", action="store_true",
                         help="also a second gateway with worker_streams: per_request (a call per streamed request)")
+    parser.add_argument("--proxy-floor", action="store_true",
+                        help="also a bare grpc.aio proxy relaying the worker's stream (bench/proxy_floor.py): "
+                             "the least any Python gRPC hop adds")
     args = parser.parse_args()
     if not (MODELS_DIR / "tiny_lm" / "1" / "model.onnx").is_file():
         print("build the example models first: infergate models build", file=sys.stderr)
@@ -148,6 +151,11 @@ def main() -> int:
                 urls["gateway gRPC, call per request"] = f"127.0.0.1:{gateways[1].ready['grpc_port']}"
                 urls["gateway OpenAI SSE, call per request"] = f"127.0.0.1:{gateways[1].ready['http_port']}"
                 paths += ["gateway gRPC, call per request", "gateway OpenAI SSE, call per request"]
+            if args.proxy_floor:
+                proxy = start(["--serve-proxy", worker_url(worker)], module="bench.proxy_floor")
+                gateways.append(proxy)
+                urls["bare gRPC proxy"] = f"127.0.0.1:{proxy.ready['grpc_port']}"
+                paths.append("bare gRPC proxy")
             for concurrency in args.concurrency:
                 for path in paths:  # warm every path at the shapes measured
                     _round(path, urls, concurrency, args.max_tokens, f"warm-{concurrency}")

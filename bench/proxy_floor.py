@@ -5,7 +5,9 @@ Starts one worker serving the example ``mlp``, the gateway in front of it
 and ``loadtest.echo_server`` (one hop, a prebuilt reply). The proxy is the
 least a Python gRPC gateway can do per request: it forwards each call's
 request bytes to the worker and the worker's reply bytes back, never parsing
-either, one worker call per request (no batching, no validation, no routing).
+either, one worker call per request (no batching, no validation, no routing);
+a ``ModelStreamInfer`` call is relayed the same way, message by message
+(``bench/openai_bench.py --proxy-floor`` measures generation through it).
 Each of the four is driven in turn by ``infergate bench`` with single-row
 gRPC requests at 1 and 64 clients, interleaved for ``--rounds`` rounds; the
 report gives the median req/s, p50 and each server process's CPU per request
@@ -29,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -59,9 +62,33 @@ def _forward(channel: grpc.aio.Channel, method: str):  # type: ignore[no-untyped
     return handler
 
 
+def _relay_stream(channel: grpc.aio.Channel):  # type: ignore[no-untyped-def]
+    """``ModelStreamInfer`` relayed: one upstream call per call, messages forwarded as bytes both ways."""
+    open_call = channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")  # bytes in, bytes out
+
+    async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        call = open_call(timeout=context.time_remaining())
+
+        async def pump() -> None:
+            async for request in requests:
+                await call.write(request)
+            await call.done_writing()
+
+        sending = asyncio.get_running_loop().create_task(pump())
+        try:
+            async for response in call:
+                yield response
+        finally:
+            sending.cancel()
+            call.cancel()
+
+    return handler
+
+
 async def serve_proxy(upstream: str, ready_file: Path | None) -> int:
     channel = grpc.aio.insecure_channel(upstream)
     handlers = {m: grpc.unary_unary_rpc_method_handler(_forward(channel, m)) for m in METHODS}
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(_relay_stream(channel))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *BURST_OPTIONS])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
