@@ -11,9 +11,14 @@ metadata ``infergate-pack: 1``; on such a call, and only there, the worker:
   ``raw_output_contents`` are the serialized ``ModelStreamInferResponse``s,
   in order. A generation batch's decode step answers all its sequences at
   once: on this call that is one gRPC message a step, not one per token;
-- cancels a running request when a message names it (:func:`cancel_request`:
-  no inputs, the request's id, the parameter ``infergate_cancel``), as
-  cancelling a call of its own would.
+- takes each request's key on the call from its parameter
+  ``infergate_stream_key`` (:func:`with_key`, :func:`take_key`), removed
+  before the model sees the request, which keeps the client's own ``id``;
+  every response of the request carries the key as its ``id``, and the
+  gateway gives it back its client's;
+- cancels a running request when a message names its key
+  (:func:`cancel_request`: no inputs, the key, the parameter
+  ``infergate_cancel``), as cancelling a call of its own would.
 
 Every other call (a Triton client's, the gateway's own to a Triton server)
 sees the KServe protocol unchanged.
@@ -28,6 +33,7 @@ from tritonclient.grpc import service_pb2
 PACK_METADATA = "infergate-pack"
 PACKED = "infergate_packed"
 CANCEL = "infergate_cancel"
+KEY = "infergate_stream_key"
 
 
 def asks_packing(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
@@ -54,9 +60,27 @@ def unpack(message: service_pb2.ModelStreamInferResponse) -> list[service_pb2.Mo
     return [parse(raw) for raw in response.raw_output_contents]
 
 
-def cancel_request(request_id: str) -> service_pb2.ModelInferRequest:
-    """The message that cancels the running request ``request_id`` of a packed call."""
-    request = service_pb2.ModelInferRequest(id=request_id)
+def with_key(request: service_pb2.ModelInferRequest, key: str) -> service_pb2.ModelInferRequest:
+    """A copy of ``request`` to send under ``key`` on a packed call; ``request`` is left as it was."""
+    message = service_pb2.ModelInferRequest()
+    message.CopyFrom(request)
+    message.parameters[KEY].string_param = key
+    return message
+
+
+def take_key(request: service_pb2.ModelInferRequest) -> str:
+    """The request's key on a packed call, removed from its parameters (its id when it has none)."""
+    param = request.parameters.get(KEY)
+    if param is None:
+        return request.id
+    key = param.string_param
+    del request.parameters[KEY]
+    return key
+
+
+def cancel_request(key: str) -> service_pb2.ModelInferRequest:
+    """The message that cancels the running request ``key`` of a packed call."""
+    request = service_pb2.ModelInferRequest(id=key)
     request.parameters[CANCEL].bool_param = True
     return request
 

@@ -30,7 +30,7 @@ from serverkit import tracing
 from execution.answers import as_error, load_arguments, model_metadata
 from execution.decoupled import serve_decoupled, stream_error_response
 from execution.manager import ModelManager
-from protos.stream_pack import asks_packing, cancels
+from protos.stream_pack import asks_packing, cancels, take_key
 from workers.stream_writers import DirectWriter, PackedWriter
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,13 @@ def _rpc(handler: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
+
+
+async def _write_keyed(write: Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]], key: str,
+                       response: service_pb2.ModelStreamInferResponse) -> None:
+    """A packed call's response goes out under its request's key (``protos.stream_pack``)."""
+    response.infer_response.id = key
+    await write(response)
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -178,23 +185,24 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         slots = asyncio.Semaphore(PACKED_STREAM_CONCURRENCY if packed else STREAM_CONCURRENCY)
         running: dict[str, asyncio.Task[None]] = {}  # a packed call's requests, by id, for their cancel
 
-        def done(task: asyncio.Task[None], request_id: str) -> None:
+        def done(task: asyncio.Task[None], key: str | None) -> None:
             tasks.discard(task)
-            if running.get(request_id) is task:
-                del running[request_id]
+            if key is not None and running.get(key) is task:
+                del running[key]
             slots.release()
             self.end_request()
 
-        async def serve(request: service_pb2.ModelInferRequest) -> None:
+        async def serve(request: service_pb2.ModelInferRequest, key: str | None) -> None:
+            write = writer.write if key is None else functools.partial(_write_keyed, writer.write, key)
             try:
                 model = self.manager.get(request.model_name, request.model_version)
                 if model.decoupled:
-                    await serve_decoupled(model, request, writer.write)
+                    await serve_decoupled(model, request, write)
                     return
                 response = service_pb2.ModelStreamInferResponse(infer_response=await model.infer(request))
             except Exception as exc:
                 response = stream_error_response(request, as_error(exc, "ModelStreamInfer"))
-            await writer.write(response)
+            await write(response)
 
         try:
             async for request in request_iterator:
@@ -203,15 +211,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if task is not None:
                         task.cancel()  # closes its model's stream: the request ends on the worker
                     continue
+                key = take_key(request) if packed else None
                 await slots.acquire()
                 self.begin_request()
-                task = asyncio.get_running_loop().create_task(serve(request))
+                task = asyncio.get_running_loop().create_task(serve(request, key))
                 tasks.add(task)
-                if packed:
-                    running[request.id] = task
+                if key is not None:
+                    running[key] = task
                 # A done-callback, not a finally in serve(): it runs even for a
                 # task cancelled before its first step.
-                task.add_done_callback(functools.partial(done, request_id=request.id))
+                task.add_done_callback(functools.partial(done, key=key))
             # The client half-closed: answer what is still running, then end the call.
             while tasks:
                 await asyncio.gather(*tasks, return_exceptions=packed)

@@ -14,8 +14,9 @@ request.
 ``done_writing``, ``read``, ``code``, ``cancel``), so a request is streamed
 the same way on a call of its own, a packed one or in process:
 
-- its id on the call is one the call gives it (unique there); the worker
-  echoes it and the responses come back to this request alone;
+- its key on the call is one the call gives it (unique there), sent beside
+  its own id (which the model sees unchanged); the worker answers under
+  that key, so the responses come back to this request alone;
 - ``read`` returns its next response, ``grpc.aio.EOF`` if the worker ended
   the call cleanly, raises the error the worker client makes of the call's
   failure (``lost``: the call ends only with its connection or its worker,
@@ -47,7 +48,7 @@ from tritonclient.grpc import service_pb2
 from execution.decoupled import FINAL_RESPONSE
 from gateway.fleet.worker_stream import end_call
 from protos.errors import DeadlineExceeded, InferGateError
-from protos.stream_pack import PACK_METADATA, cancel_request, unpack
+from protos.stream_pack import PACK_METADATA, cancel_request, unpack, with_key
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +194,8 @@ class PackedCall:
         lane.inboxes[key] = self._inbox
         if self._timeout_s is not None:  # one timer for the request, not one a read
             self._timer = asyncio.get_running_loop().call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
-        # Sent under the call's own id, the caller's message left as it was.
-        message = service_pb2.ModelInferRequest()
-        message.CopyFrom(request)
-        message.id = key
         try:
-            await streams._send(lane, message)
+            await streams._send(lane, with_key(request, key))
         except BaseException:
             self._end()
             lane.inboxes.pop(key, None)

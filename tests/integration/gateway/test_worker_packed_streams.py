@@ -2,7 +2,9 @@
 (``gateway.fleet.worker_packed_streams``), against real workers on 127.0.0.1.
 
 Checked through ``stream_responses``, as the gateway streams: concurrent
-streams share one call and each gets its own responses in order; a stream
+streams share one call and each gets its own responses in order; the model
+sees each request's own id and parameters (ids clients repeat included),
+not the call's key; a stream
 abandoned by its reader and one past its deadline are cancelled on the
 worker (its instance freed, the request counted failed); a worker killed
 under open streams fails each as unreachable (retried elsewhere by the
@@ -12,6 +14,7 @@ router when nothing was sent yet), and the next stream opens a fresh call.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -34,10 +37,41 @@ pytestmark = pytest.mark.timeout(120)
 LABEL = 'model="repeat_int32"'
 
 
+# A decoupled model that answers with what it was given: its request's id and parameters.
+ECHO_ID_PY = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            seen = json.dumps({"id": request.request_id(), "parameters": json.loads(request.parameters())})
+            out = pb_utils.Tensor("SEEN", np.array([seen.encode()], dtype=np.object_))
+            request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[out]),
+                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+ECHO_ID_CONFIG = """
+name: "echo_id"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+
 @pytest.fixture(scope="module")
 def repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("packed-streams")
     shutil.copytree(model_repo / "repeat_int32", root / "repeat_int32")
+    (root / "echo_id" / "1").mkdir(parents=True)
+    (root / "echo_id" / "1" / "model.py").write_text(ECHO_ID_PY)
+    (root / "echo_id" / "config.pbtxt").write_text(ECHO_ID_CONFIG)
     return root
 
 
@@ -108,6 +142,33 @@ async def test_streams_share_one_packed_call_each_in_order(worker: Proc) -> None
         assert len(opened) == 1
         assert await values(client, repeat("again", [5, 6], 0)) == [5, 6]
         assert len(opened) == 1
+    finally:
+        await client.close()
+
+
+async def test_the_model_sees_its_clients_id_and_parameters_not_the_calls_key(worker: Proc) -> None:
+    client = WorkerClient(worker_url(worker), packed_streams=True)
+
+    async def seen(request_id: str, n: int) -> dict[str, object]:
+        request = service_pb2.ModelInferRequest(model_name="echo_id", id=request_id)
+        request.inputs.add(name="IN", datatype="INT32", shape=[1])
+        request.raw_input_contents.append(np.array([n], np.int32).tobytes())
+        request.parameters["note"].string_param = f"n={n}"
+        answers = []
+        async with aclosing(stream_responses(client, request, 30)) as responses:
+            async for response, _ in responses:
+                if response.raw_output_contents:
+                    raw = response.raw_output_contents[0]
+                    answers.append(json.loads(raw[4:4 + struct.unpack("<I", raw[:4])[0]]))
+        assert len(answers) == 1
+        return answers[0]
+
+    try:
+        # Two requests under one id at once (clients pick ids; they need not be unique).
+        got = await asyncio.gather(seen("same", 1), seen("same", 2), seen("", 3))
+        assert [g["id"] for g in got] == ["same", "same", ""]
+        assert [g["parameters"].get("note") for g in got] == ["n=1", "n=2", "n=3"]  # type: ignore[union-attr]
+        assert not any(key.startswith("infergate") for g in got for key in g["parameters"])  # type: ignore[union-attr]
     finally:
         await client.close()
 

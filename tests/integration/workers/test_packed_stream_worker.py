@@ -3,9 +3,10 @@ many streamed requests on one call, their responses packed several to a message,
 any one of them cancelled by a message.
 
 Checked with raw gRPC, as the gateway sends: concurrent greedy generations on
-one packed call answer token for token what each answers on a call of its
-own, and a decode step's tokens came packed in one message; a cancel
-message stops its request on the worker (its instance freed, the request
+one packed call, under one client id and each with its key, answer under
+their keys token for token what each answers on a call of its own, and a
+decode step's tokens came packed in one message; a cancel message naming a
+key stops its request on the worker (its instance freed, the request
 counted failed) while another request on the same call ends normally; a
 call without the packing metadata gets one response a message.
 """
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from protos.stream_pack import PACK_METADATA, cancel_request, unpack
+from protos.stream_pack import PACK_METADATA, cancel_request, unpack, with_key
 from tests.harness import Proc, start_worker, worker_url
 from tests.integration.gateway.stream_clients import metric, poll
 
@@ -106,15 +107,17 @@ async def test_generations_on_one_packed_call_equal_each_alone_and_a_step_comes_
         by_id, per_message = await run_call(url, [generation(f"alone-{i}", prompt, n)])
         assert set(per_message) == {1}  # a call without the packing metadata: one response a message
         alone.append(tokens(by_id[f"alone-{i}"]))
-    requests = [generation(f"packed-{i}", prompt, n) for i, (prompt, n) in enumerate(zip(PROMPTS, lengths))]
+    # Under one client id, each with its key on the call: the responses come back under the keys.
+    requests = [with_key(generation("same", prompt, n), f"k{i}") for i, (prompt, n) in enumerate(zip(PROMPTS, lengths))]
     by_id, per_message = await run_call(url, requests, PACKED)
     for i, n in enumerate(lengths):
-        got = tokens(by_id[f"packed-{i}"])
+        got = tokens(by_id[f"k{i}"])
         assert len(got) == n
         assert got == alone[i], f"prompt {i} differs on the packed call"
     # The sequences decode together: a step's tokens leave in one message.
     assert max(per_message) >= 2, per_message
-    assert sum(per_message) == sum(len(by_id[r.id]) for r in requests)
+    assert set(by_id) == {f"k{i}" for i in range(len(PROMPTS))}
+    assert sum(per_message) == sum(len(v) for v in by_id.values())
 
 
 async def test_a_cancel_message_stops_its_request_and_not_the_other(worker: Proc) -> None:
@@ -125,7 +128,7 @@ async def test_a_cancel_message_stops_its_request_and_not_the_other(worker: Proc
     async with grpc.aio.insecure_channel(url) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(metadata=PACKED, timeout=60)
         # 200 responses 50 ms apart: ten seconds unless the cancel stops it.
-        await call.write(repeat("long", list(range(200)), 50))
+        await call.write(with_key(repeat("r", list(range(200)), 50), "long"))
 
         async def read_until(condition: Callable[[], bool]) -> None:
             while not condition():
@@ -135,7 +138,7 @@ async def test_a_cancel_message_stops_its_request_and_not_the_other(worker: Proc
                     by_id[response.infer_response.id].append(response)
 
         await asyncio.wait_for(read_until(lambda: len(by_id["long"]) >= 2), 30)
-        await call.write(repeat("short", [7, 8, 9], 0))
+        await call.write(with_key(repeat("r", [7, 8, 9], 0), "short"))
         await asyncio.wait_for(read_until(lambda: any(map(is_final, by_id["short"]))), 30)
         await call.write(cancel_request("long"))
         await call.done_writing()
