@@ -177,13 +177,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         A decoupled model's request holds its slot until its last response.
         A gateway's packed call (``protos.stream_pack``) gets its responses
-        packed and may cancel one request by its id.
+        packed, each request's under its key, and may cancel a request by its key.
         """
         packed = asks_packing(context.invocation_metadata())
         tasks: set[asyncio.Task[None]] = set()
         writer = PackedWriter(context, lone=lambda: len(tasks) == 1) if packed else DirectWriter(context)
         slots = asyncio.Semaphore(PACKED_STREAM_CONCURRENCY if packed else STREAM_CONCURRENCY)
-        running: dict[str, asyncio.Task[None]] = {}  # a packed call's requests, by id, for their cancel
+        running: dict[str, asyncio.Task[None]] = {}  # a packed call's requests, by key, for their cancel
 
         def done(task: asyncio.Task[None], key: str | None) -> None:
             tasks.discard(task)
