@@ -83,6 +83,7 @@ class _Attempt(Generic[_W]):
     hung: bool = False
     settled: bool = False
     load: float = 0.0  # the executions it waits out on its worker before its own (outlier judging)
+    beside: int = 0  # the other attempts running in the gateway when it started (outlier judging)
 
 
 class AttemptRace(Generic[_W, _R]):
@@ -285,8 +286,10 @@ class AttemptRace(Generic[_W, _R]):
         hang, hedge = policy.thresholds(self._model)
         if hedge is not None and len(self._pending) + (self._inline is not None) >= policy.hedge.max_extra_attempts:
             hedge = None  # no hedge of a hedge
+        beside = policy.attempts_running
+        policy.attempts_running += 1
         return _Attempt(worker, now, extra, trial, None if hedge is None else now + hedge,
-                        None if hang is None else now + hang, load=self._load_on(worker))
+                        None if hang is None else now + hang, load=self._load_on(worker), beside=beside)
 
     def _load_on(self, worker: _W) -> float:
         """The executions an attempt starting now waits out on ``worker`` before its own starts: the
@@ -310,15 +313,18 @@ class AttemptRace(Generic[_W, _R]):
             return
         attempt.settled = True
         policy = self._policy
+        policy.attempts_running -= 1
         if attempt.extra:
             policy.budget.release()
         address = attempt.worker.address
         elapsed = policy.clock.now() - attempt.started
         if cancelled or (attempt.hung and error is None):
             # No verdict: lost the race, or its caller left; its time is still a lower bound.
-            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
+            policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows,
+                                      beside=attempt.beside)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows)
+            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows,
+                                      beside=attempt.beside)
             policy.latency.observe(self._model, elapsed)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):

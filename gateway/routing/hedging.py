@@ -108,6 +108,9 @@ class AttemptPolicy:
     hedge: HedgeSettings
     retry_limit: int
     clock: Clock
+    # Attempts running in this gateway now, every model's: the gateway's own load, under which an
+    # attempt's latency is filed for outlier judging (its event loop answers later when busy).
+    attempts_running: int = 0
     # model -> (samples seen when computed, hang threshold, hedge delay): read on
     # every call, recomputed only as new latencies come in.
     _thresholds: dict[str, tuple[int, float | None, float | None]] = field(default_factory=dict)

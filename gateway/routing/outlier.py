@@ -12,12 +12,14 @@ that are up but serve badly, from the outcome of every routed attempt:
   Latencies are compared only at the same load and batch size: each attempt
   is filed under its load -- the executions it waits out on its worker
   before its own starts (the batches there beyond the model's execution
-  slots, per slot: 0, up to 1/2, 1, 2, more) -- and its batch's rows
-  (rounded up to a power of two), and a worker is judged against its peers'
-  attempts filed alike. A worker the
-  gateway itself loads (a burst queued behind its batches) is slower than an
-  idle peer by the gateway's own doing, not its fault; a truly slow worker is
-  slower than its peers at every load.
+  slots, per slot: 0, up to 1/2, 1, 2, more), its batch's rows (rounded up
+  to a power of two) and the gateway's own load (the other attempts running
+  in it when it started: none, up to 7, more) -- and a worker is judged
+  against its peers' attempts filed alike. A worker the gateway itself loads
+  (a burst queued behind its batches) is slower than an idle peer by the
+  gateway's own doing, not its fault; so is one whose answers wait in a
+  gateway busy taking in a burst (its event loop reads them late); a truly
+  slow worker is slower than its peers at every load.
 
 Each worker's circuit is CLOSED (in rotation), OPEN (ejected: no new
 attempts) or HALF_OPEN (the ejection ran out: one trial attempt at a time;
@@ -63,9 +65,23 @@ _LOAD_BUCKETS = (0.0, 0.5, 1.0, 2.0)
 _MOST_LOAD = 4.0
 
 
-def load_bucket(queued: float, rows: int = 1) -> tuple[float, int]:
-    """What an attempt is judged at: the executions it waits out first, and its rows, bucketed."""
-    return next((b for b in _LOAD_BUCKETS if queued <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length()
+# The gateway's own load: the other attempts running in it when an attempt started, rounded up to these.
+_BESIDE_BUCKETS = (0, 7)
+_MOST_BESIDE = 8
+Bucket = tuple[float, int, int]
+
+
+def load_bucket(queued: float, rows: int = 1, beside: int = 0) -> Bucket:
+    """What an attempt is judged at: the executions it waits out first, its rows, and the other
+    attempts running in the gateway (none, up to 7, more), bucketed."""
+    return (next((b for b in _LOAD_BUCKETS if queued <= b), _MOST_LOAD), 1 << max(0, rows - 1).bit_length(),
+            next((b for b in _BESIDE_BUCKETS if beside <= b), _MOST_BESIDE))
+
+
+def _describe(bucket: Bucket) -> str:
+    beside = {0: "no other attempt", 7: "up to 7 other attempts"}.get(bucket[2], "8 or more other attempts")
+    return (f"batches of up to {bucket[1]} rows, waiting up to {bucket[0]:g} executions first, "
+            f"{beside} in the gateway")
 
 
 # Why a worker was ejected, as counted (``infergate_worker_ejections_total{reason}``).
@@ -117,7 +133,7 @@ class _Circuit:
     closed_since: float = -math.inf  # when the circuit last closed after an ejection
     trials: int = 0
     reason: str = ""
-    latency: dict[tuple[str, tuple[float, int]], _Latency] = field(default_factory=dict)  # by (model, load bucket)
+    latency: dict[tuple[str, Bucket], _Latency] = field(default_factory=dict)  # by (model, load bucket)
 
 
 class OutlierDetector:
@@ -185,8 +201,9 @@ class OutlierDetector:
         return False
 
     def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *,
-                  queued: float = 0.0, rows: int = 1) -> None:
-        """``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its batch's."""
+                  queued: float = 0.0, rows: int = 1, beside: int = 0) -> None:
+        """``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its
+        batch's; ``beside``: the other attempts running in the gateway when it started."""
         circuit = self._circuit(address)
         if trial:
             circuit.trials -= 1
@@ -199,7 +216,7 @@ class OutlierDetector:
         elif circuit.state is CircuitState.OPEN:
             return
         circuit.consecutive_failures = 0
-        self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows))
+        self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows, beside))
 
     def failed(self, address: str, reason: str, trial: bool = False) -> None:
         circuit = self._circuit(address)
@@ -227,7 +244,7 @@ class OutlierDetector:
             circuit.consecutive_failures = 0
 
     def abandoned(self, address: str, model: str, elapsed_s: float, trial: bool = False, *,
-                  queued: float = 0.0, rows: int = 1) -> None:
+                  queued: float = 0.0, rows: int = 1, beside: int = 0) -> None:
         """The attempt was cancelled (a faster attempt won, or its caller left): no verdict.
 
         Its running time is still a lower bound of the worker's latency; a
@@ -237,7 +254,7 @@ class OutlierDetector:
         if trial:
             circuit.trials -= 1
         if circuit.state is CircuitState.CLOSED:
-            self._observe_latency(circuit, model, elapsed_s, load_bucket(queued, rows))
+            self._observe_latency(circuit, model, elapsed_s, load_bucket(queued, rows, beside))
 
     # ---- views -------------------------------------------------------------------
 
@@ -285,7 +302,7 @@ class OutlierDetector:
         circuit.latency.clear()
         log.info("worker %s: ejection over; trying it again", circuit.address)
 
-    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: tuple[float, int]) -> None:
+    def _observe_latency(self, circuit: _Circuit, model: str, latency_s: float, bucket: Bucket) -> None:
         key = (model, bucket)
         stats = circuit.latency.get(key)
         if stats is None:
@@ -306,8 +323,8 @@ class OutlierDetector:
         mine = stats.median_s()
         if mine > factor * reference and mine - reference > self.settings.latency_min_excess_s:
             self._eject(circuit, f"latency outlier for model {model}: {mine * 1e3:.1f} ms against a median of "
-                                 f"{reference * 1e3:.1f} ms on its peers at the same load (batches of up to {bucket[1]} "
-                                 f"rows, waiting up to {bucket[0]:g} executions first)", "latency", model=model)
+                                 f"{reference * 1e3:.1f} ms on its peers at the same load ({_describe(bucket)})",
+                                 "latency", model=model)
 
     def _eject(self, circuit: _Circuit, reason: str, kind: str, *, force: bool = False, model: str = "") -> None:
         """Open the circuit; unless ``force`` (a failed trial), only within the ejection share."""

@@ -91,6 +91,7 @@ async def test_hedge_races_a_slow_attempt_and_exactly_one_answer_wins() -> None:
         b.inflight = 0
         assert answer.id == "b:1"
         assert a.inflight == 0
+        assert router.attempts.attempts_running == 0  # the losing attempt too
         # No hang detection configured: the slow attempt was no failure, only lost the race.
         assert router.outliers.state("a:1") is CircuitState.CLOSED
         assert [h.consecutive_failures for h in router.outliers.snapshot() if h.address == "a:1"] == [0]
@@ -110,11 +111,13 @@ async def test_both_attempts_answering_still_gives_one_response() -> None:
     try:
         call = asyncio.create_task(router.infer("m", "", request(), None))
         await until(lambda: sum(len(f.infer_calls) for f in fleet.by_address.values()) == 2)
+        assert router.attempts.attempts_running == 2  # the gateway's own load, for outlier judging
         gate.set()  # both attempts answer in the same loop turn
         answer = await asyncio.wait_for(call, 10)
         assert answer.id in ("a:1", "b:1")
         assert all(w.inflight == 0 for w in cluster.workers())
         assert router.retry_budget.counters().extra_inflight == 0
+        assert router.attempts.attempts_running == 0
     finally:
         await cluster.stop()
 
@@ -172,6 +175,7 @@ async def test_caller_cancel_cancels_every_attempt() -> None:
         assert all(w.inflight == 0 for w in cluster.workers())
         assert router.retry_budget.counters().extra_inflight == 0
         assert router.retry_budget.counters().active == 0
+        assert router.attempts.attempts_running == 0  # cancelled attempts are counted out too
     finally:
         await cluster.stop()
 

@@ -220,7 +220,26 @@ def test_latency_is_compared_only_at_the_same_load() -> None:
         d.succeeded("b", "m", 0.300, d.attempt_started("b"), queued=0)  # idle, and still slow: slow
     assert not d.routable("b")
     (health,) = [h for h in d.snapshot() if h.address == "b"]
-    assert "at the same load (batches of up to 1 rows, waiting up to 0 executions first)" in health.reason
+    assert ("at the same load (batches of up to 1 rows, waiting up to 0 executions first, no other attempt "
+            "in the gateway)") in health.reason
+
+
+def test_latency_is_compared_only_at_the_same_gateway_load() -> None:
+    d, _ = detector("a", "b", latency_min_samples=5)
+    for _ in range(8):  # both at rest: one call at a time
+        d.succeeded("a", "m", 0.022, d.attempt_started("a"), beside=0)
+        d.succeeded("b", "m", 0.022, d.attempt_started("b"), beside=0)
+    for _ in range(12):  # answers read late by a gateway taking in a burst: not b's doing
+        d.succeeded("b", "m", 0.100, d.attempt_started("b"), beside=30)
+    assert d.routable("b")
+    for _ in range(8):
+        d.succeeded("a", "m", 0.095, d.attempt_started("a"), beside=30)
+    assert d.routable("b")  # as slow as its peer under that load
+    for _ in range(12):
+        d.succeeded("b", "m", 0.200, d.attempt_started("b"), beside=0)  # at rest, and still slow: slow
+    assert not d.routable("b")
+    (health,) = [h for h in d.snapshot() if h.address == "b"]
+    assert "no other attempt in the gateway" in health.reason
 
 
 async def test_the_return_trial_runs_on_a_timer_without_traffic() -> None:
