@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.openai_stream import OpenAIStreamClient  # noqa: E402
 from tests.harness import start, start_worker, worker_url  # noqa: E402
+from tests.integration.workers.gen_client import generation_request  # noqa: E402
 
 FINAL = "triton_final_response"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -42,17 +42,6 @@ PATHS = ("worker gRPC", "gateway gRPC", "gateway OpenAI SSE")
 
 def _prompt(i: int) -> str:
     return f"prompt {i}: {'abcdefgh'[: i % 8]}"
-
-
-def _request(request_id: str, prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="tiny_lm", id=request_id)
-    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-    request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
-    request.parameters["ignore_eos"].bool_param = True
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    data = prompt.encode()
-    request.raw_input_contents.extend([struct.pack("<I", len(data)) + data, struct.pack("<i", max_tokens)])
-    return request
 
 
 def _itl(times: list[float], tokens: int) -> float | None:
@@ -82,7 +71,7 @@ async def _grpc_one(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: se
 async def _grpc_round(url: str, concurrency: int, max_tokens: int, tag: str) -> dict[str, float]:
     async with grpc.aio.insecure_channel(url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        requests = [_request(f"{tag}-{i}", _prompt(i), max_tokens) for i in range(concurrency)]
+        requests = [generation_request(f"{tag}-{i}", _prompt(i), max_tokens) for i in range(concurrency)]
         start_s = time.perf_counter()
         results = await asyncio.gather(*(_grpc_one(stub, r, start_s) for r in requests))
         wall = time.perf_counter() - start_s

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Proc
@@ -150,3 +151,17 @@ def poll(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         time.sleep(0.05)
+
+
+def repeat_request(request_id: str, values: list[int], delay_ms: int, *, empty_final: bool = False
+                   ) -> service_pb2.ModelInferRequest:
+    """A raw ``repeat_int32`` request: ``values`` back one a response, ``delay_ms`` apart."""
+    request = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
+    if empty_final:
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+    arrays = {"IN": np.array(values, np.int32), "DELAY": np.full(len(values), delay_ms, np.uint32),
+              "WAIT": np.array([0], np.uint32)}
+    for name, array in arrays.items():
+        request.inputs.add(name=name, datatype="INT32" if name == "IN" else "UINT32", shape=list(array.shape))
+        request.raw_input_contents.append(array.tobytes())
+    return request

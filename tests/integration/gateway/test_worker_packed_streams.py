@@ -31,6 +31,7 @@ from gateway.fleet.worker_client import WorkerClient, WorkerUnreachable
 from protos.errors import DeadlineExceeded
 from tests.harness import Proc, start_worker, worker_url
 from tests.integration.gateway.stream_clients import metric
+from tests.integration.gateway.stream_clients import repeat_request as repeat
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,16 +83,6 @@ def worker(repo: Path) -> Iterator[Proc]:
         yield proc
     finally:
         proc.stop()
-
-
-def repeat(request_id: str, values: list[int], delay_ms: int) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
-    arrays = {"IN": np.array(values, np.int32), "DELAY": np.full(len(values), delay_ms, np.uint32),
-              "WAIT": np.array([0], np.uint32)}
-    for name, array in arrays.items():
-        request.inputs.add(name=name, datatype="INT32" if name == "IN" else "UINT32", shape=list(array.shape))
-        request.raw_input_contents.append(array.tobytes())
-    return request
 
 
 def counting_opens(client: WorkerClient) -> list[int]:

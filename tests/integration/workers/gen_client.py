@@ -6,12 +6,14 @@ end and timings gathered by request id.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 FINAL = "triton_final_response"
@@ -108,3 +110,15 @@ class GenStream:
     def close(self, cancel: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
+
+
+def generation_request(request_id: str, prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
+    """A raw greedy ``tiny_lm`` request run to ``max_tokens`` (``ignore_eos``), its end always marked."""
+    request = service_pb2.ModelInferRequest(model_name="tiny_lm", id=request_id)
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
+    request.parameters["ignore_eos"].bool_param = True
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    data = prompt.encode()
+    request.raw_input_contents.extend([struct.pack("<I", len(data)) + data, struct.pack("<i", max_tokens)])
+    return request

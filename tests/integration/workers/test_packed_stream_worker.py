@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from protos.stream_pack import PACK_METADATA, cancel_request, unpack, with_key
 from tests.harness import Proc, start_worker, worker_url
-from tests.integration.gateway.stream_clients import metric, poll
+from tests.integration.gateway.stream_clients import metric, poll, repeat_request
+from tests.integration.workers.gen_client import generation_request as generation
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,28 +46,6 @@ def worker(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield proc
     finally:
         proc.stop()
-
-
-def generation(request_id: str, prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="tiny_lm", id=request_id)
-    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-    request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
-    request.parameters["ignore_eos"].bool_param = True
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    data = prompt.encode()
-    request.raw_input_contents.extend([struct.pack("<I", len(data)) + data, struct.pack("<i", max_tokens)])
-    return request
-
-
-def repeat(request_id: str, values: list[int], delay_ms: int) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    arrays = {"IN": np.array(values, np.int32), "DELAY": np.full(len(values), delay_ms, np.uint32),
-              "WAIT": np.array([0], np.uint32)}
-    for name, array in arrays.items():
-        request.inputs.add(name=name, datatype="INT32" if name == "IN" else "UINT32", shape=list(array.shape))
-        request.raw_input_contents.append(array.tobytes())
-    return request
 
 
 def is_final(message: service_pb2.ModelStreamInferResponse) -> bool:
@@ -128,7 +106,7 @@ async def test_a_cancel_message_stops_its_request_and_not_the_other(worker: Proc
     async with grpc.aio.insecure_channel(url) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(metadata=PACKED, timeout=60)
         # 200 responses 50 ms apart: ten seconds unless the cancel stops it.
-        await call.write(with_key(repeat("r", list(range(200)), 50), "long"))
+        await call.write(with_key(repeat_request("r", list(range(200)), 50, empty_final=True), "long"))
 
         async def read_until(condition: Callable[[], bool]) -> None:
             while not condition():
@@ -138,7 +116,7 @@ async def test_a_cancel_message_stops_its_request_and_not_the_other(worker: Proc
                     by_id[response.infer_response.id].append(response)
 
         await asyncio.wait_for(read_until(lambda: len(by_id["long"]) >= 2), 30)
-        await call.write(with_key(repeat("r", [7, 8, 9], 0), "short"))
+        await call.write(with_key(repeat_request("r", [7, 8, 9], 0, empty_final=True), "short"))
         await asyncio.wait_for(read_until(lambda: any(map(is_final, by_id["short"]))), 30)
         await call.write(cancel_request("long"))
         await call.done_writing()
