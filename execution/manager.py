@@ -242,8 +242,9 @@ class ModelManager:
         async with self._locked(name, create=True) as entry:
             assert entry is not None
             staged: Path | None = None
-            # Until the model directory is in place, a failure is the request's (bad parameters,
-            # files that cannot be written): as in Triton, it leaves no state behind.
+            # Until the model directory and the override config are in place (Triton's poll), a
+            # failure is the request's (a config that does not parse, files that cannot be
+            # written): as in Triton, it leaves no state behind.
             polled = False
             if config_json is None and not files and entry.versions and entry.override_config is not None:
                 config_json = entry.override_config  # a reload keeps the config it was loaded with
@@ -256,10 +257,11 @@ class ModelManager:
                     if found is None:
                         raise ModelNotFound(f"failed to load '{name}', failed to poll from model repository")
                     model_dir = found
+                override = parse_config_json(config_json, name) if config_json else None
                 polled = True
                 if not entry.versions:
                     entry.state, entry.reason = ModelState.LOADING, ""
-                built = await asyncio.to_thread(self._build, name, model_dir, config_json)
+                built = await asyncio.to_thread(self._build, name, model_dir, override)
                 try:
                     # Triton's model_warmup: the version is installed (and READY) only after it.
                     await run_warmup(built.config, built.warmup, built.instances)
@@ -275,6 +277,13 @@ class ModelManager:
                     if isinstance(exc, ModelNotFound) or not polled:
                         self._forget(entry)
                 if isinstance(exc, InferGateError) and not isinstance(exc, ModelNotFound):
+                    if not polled:
+                        logger.error("poll failed for model %s: %s", name, exc.message)
+                        # Triton's words for a load refused while polling (its clients look for
+                        # "failed to load"), then the cause, which Triton writes only to its log.
+                        raise InvalidArgument(
+                            f"failed to load '{name}', failed to poll from model repository: {exc.message}"
+                        ) from None
                     logger.error("load failed for model %s: %s", name, exc.message)
                     # Triton's words first, then the cause.
                     raise InvalidArgument(f"failed to load '{name}': {exc.message}") from None
@@ -299,9 +308,9 @@ class ModelManager:
         devices = ", ".join(sorted({str(p) for p in built.placements}))
         return f"{len(built.placements)} instance(s) each on {devices} ({built.backend_name})"
 
-    def _build(self, name: str, model_dir: Path, config_json: str | None) -> _Built:
-        """Blocking: read and complete the config, then create every instance of every version."""
-        config = parse_config_json(config_json, name) if config_json else read_config(model_dir, name)
+    def _build(self, name: str, model_dir: Path, override: mc.ModelConfig | None) -> _Built:
+        """Blocking: read (unless overridden) and complete the config, then create every instance of every version."""
+        config = override if override is not None else read_config(model_dir, name)
         if config.max_batch_size < 0:
             raise InvalidArgument(f"model '{name}': max_batch_size must be >= 0")
         available = available_versions(model_dir)

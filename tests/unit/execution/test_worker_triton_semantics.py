@@ -1,7 +1,9 @@
 """Worker model lifecycle where Triton's semantics are subtle: a ``specific``
 version policy naming a version with no directory, a reload without ``config``
-after a config override, ``file:`` overrides without ``config``, and override
-files the file system refuses. Fake backend from ``test_worker_manager``."""
+after a config override, ``file:`` overrides without ``config``, override
+files the file system refuses, and loads refused while polling (a ``config``
+that is not JSON, a file path holding ``..``). Fake backend from
+``test_worker_manager``."""
 
 from __future__ import annotations
 
@@ -82,3 +84,31 @@ async def test_an_override_file_name_the_file_system_refuses_is_a_clear_error(ma
     with pytest.raises(InvalidArgument, match=rf"cannot write override file '1/{name}' for model 'm': File name too long"):
         await manager.load("m", config_json=CONFIG_JSON, files={f"1/{name}": b"3", "1/model.bin": b"3"})
     assert list((tmp_path / "staging").iterdir()) == []
+
+
+POLL_FAILED = "failed to load 'fresh', failed to poll from model repository: "
+
+
+async def test_a_config_that_is_not_json_is_tritons_poll_failure(manager: ModelManager, tmp_path: Path) -> None:
+    # Triton's simple_http_model_control / simple_grpc_model_control look for "failed to load".
+    with pytest.raises(InvalidArgument) as info:
+        await manager.load("fresh", config_json='{{"max_batch_size": "16"}}', files={"1/model.bin": b"3"})
+    assert info.value.message.startswith(POLL_FAILED + "'config' parameter for model 'fresh' is not a valid ModelConfig")
+    assert "fresh" not in {r.name for r in await manager.index()}  # as in Triton, no state is left
+    assert list((tmp_path / "staging").iterdir()) == []
+
+
+async def test_an_override_path_with_dot_dot_is_tritons_poll_failure(manager: ModelManager, tmp_path: Path) -> None:
+    # Triton's test_file_override_security looks for "failed to load".
+    with pytest.raises(InvalidArgument) as info:
+        await manager.load("fresh", config_json=CONFIG_JSON, files={"../../escape/model.bin": b"3"})
+    assert info.value.message.startswith(POLL_FAILED + "override file path '../../escape/model.bin'")
+    assert "fresh" not in {r.name for r in await manager.index()}
+    assert not (tmp_path / "escape").exists()
+
+
+async def test_a_failed_reload_while_polling_leaves_the_loaded_versions_serving(manager: ModelManager) -> None:
+    await manager.load("m")
+    with pytest.raises(InvalidArgument, match="^failed to load 'm', failed to poll from model repository: "):
+        await manager.load("m", config_json="{not json")
+    assert manager.is_ready("m")

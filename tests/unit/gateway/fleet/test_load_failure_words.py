@@ -20,10 +20,15 @@ from protos.errors import InvalidArgument, ModelNotFound, Unavailable
          "failed to load 'm', failed to poll from model repository"),
         ("failed to load 'm', failed to poll from model repository",
          "failed to load 'm', failed to poll from model repository"),
+        ("failed to load 'm', failed to poll from model repository: override file path '../x' for model 'm' must be "
+         "relative, without '..'",
+         "failed to load 'm', failed to poll from model repository: override file path '../x' for model 'm' must be "
+         "relative, without '..'"),
         ("explicit model load / unload is not allowed if polling is enabled",
          "explicit model load / unload is not allowed if polling is enabled"),
     ],
-    ids=["version-fails", "already-tritons", "bare-cause", "override-without-config", "not-in-repository", "none-mode"],
+    ids=["version-fails", "already-tritons", "bare-cause", "override-without-config", "not-in-repository",
+         "worker-poll-failure", "none-mode"],
 )
 def test_load_failures_in_tritons_words(message: str, client_sees: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="gateway.fleet.repository"):
