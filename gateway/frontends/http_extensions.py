@@ -3,7 +3,8 @@
 - ``GET /v2/systemsharedmemory[/region/{name}]/status``: the registered
   regions, ``[{"name", "key", "offset", "byte_size"}]``;
 - ``POST /v2/systemsharedmemory/region/{name}/register`` with
-  ``{"key", "offset", "byte_size"}``;
+  ``{"key", "offset", "byte_size"}`` (without ``/region/{name}``: refused,
+  "'region name' is necessary ...", a check Triton makes over HTTP only);
 - ``POST /v2/systemsharedmemory[/region/{name}]/unregister``;
 - the same three under ``/v2/cudasharedmemory``, status
   ``[{"name", "device_id", "byte_size"}]``, register with
@@ -32,7 +33,7 @@ from gateway.frontends.http_codec import parse_json_object
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.trace_settings import TraceSettings, normalize_json
 from gateway.requests.cuda_ipc import IPC_HANDLE_BYTES
-from gateway.requests.shared_memory import SharedMemoryRegistry
+from gateway.requests.shared_memory import CUDA_NAME_NECESSARY, SYSTEM_NAME_NECESSARY, SharedMemoryRegistry
 from protos.errors import InvalidArgument
 
 _SYSTEM = "/v2/systemsharedmemory"
@@ -85,6 +86,9 @@ class _Extensions:
         return _json([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions])
 
     async def system_register(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("name", "")
+        if not name:  # Triton's HTTP frontend checks this before the body
+            raise InvalidArgument(SYSTEM_NAME_NECESSARY)
         doc = parse_json_object(await request.read(), "shared memory register request")
         if "key" not in doc:
             raise InvalidArgument("Shared memory register request has no 'key' field")
@@ -93,7 +97,7 @@ class _Extensions:
             raise InvalidArgument(f"Shared memory register request: 'key' must be a string, got {key!r}")
         offset = _uint(doc, "offset", required=False)
         byte_size = _uint(doc, "byte_size", required=True)
-        await self._shm.apply_register(request.match_info["name"], key, offset, byte_size)
+        await self._shm.apply_register(name, key, offset, byte_size)
         return web.Response(status=200)
 
     async def system_unregister(self, request: web.Request) -> web.Response:
@@ -108,7 +112,9 @@ class _Extensions:
 
     async def cuda_register(self, request: web.Request) -> web.Response:
         name = request.match_info.get("name", "")
-        self._shm.require_cuda(name)  # refused first, whatever the body, where there is no GPU
+        if not name:  # Triton's HTTP frontend checks this first; its gRPC one leaves it to the manager
+            raise InvalidArgument(CUDA_NAME_NECESSARY)
+        self._shm.require_cuda(name)  # refused next, whatever the body, where there is no GPU
         doc = parse_json_object(await request.read(), "shared memory register request")
         raw_handle, device_id, byte_size = parse_cuda_register(doc)
         await self._shm.apply_register_cuda(name, raw_handle, device_id, byte_size)
@@ -148,6 +154,7 @@ def add_extension_routes(
     ):
         add.add_get(base + "/status", status)
         add.add_get(base + "/region/{name}/status", status)
+        add.add_post(base + "/register", register)  # no region name: refused in Triton's words
         add.add_post(base + "/region/{name}/register", register)
         add.add_post(base + "/unregister", unregister)
         add.add_post(base + "/region/{name}/unregister", unregister)

@@ -129,7 +129,7 @@ class GroupRegions(SharedMemoryRegistry):
         await self._replicator.change(self.KIND, {"op": "unregister", "name": name})
 
     async def apply_register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        self.require_cuda(name)  # refused here where this process has no CUDA, before any peer is asked
+        self.check_cuda_register(name, raw_handle)  # refused here (no CUDA, no handle) before any peer is asked
         await self._replicator.change(self.KIND, {"op": "register_cuda", "name": name, "raw_handle": raw_handle.hex(),
                                                   "device_id": device_id, "byte_size": byte_size})
 

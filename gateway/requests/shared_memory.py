@@ -51,6 +51,9 @@ _SHM_DIR = "/dev/shm"
 CUDA_EXTENSION = "cuda_shared_memory"
 CUDA_UNAVAILABLE = "CUDA shared memory is not available on this server"
 NO_GPU = "it has no GPU"
+# Triton's HTTP frontend checks the name before calling its manager; its gRPC frontend does not.
+SYSTEM_NAME_NECESSARY = "'region name' is necessary to register system shared memory region"
+CUDA_NAME_NECESSARY = "'region name' is necessary to register cuda shared memory region"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +188,7 @@ class SharedMemoryRegistry:
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
-            raise InvalidArgument("'region name' is necessary to register system shared memory region")
+            raise InvalidArgument(SYSTEM_NAME_NECESSARY)
         with self._lock:
             if name in self._regions:
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
@@ -197,17 +200,29 @@ class SharedMemoryRegistry:
         if self._cuda is None:
             raise cuda_register_error(name, self._cuda_unavailable)
 
-    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        """Open the client's ``cudaIpcMemHandle_t`` (``raw_handle``) on ``device_id`` as region ``name``."""
-        self.require_cuda(name)
-        assert self._cuda is not None
-        if not name:
-            raise InvalidArgument("'region name' is necessary to register cuda shared memory region")
+    def check_cuda_register(self, name: str, raw_handle: bytes) -> None:
+        """Refuse a CUDA registration before any handle is opened, as Triton's manager does.
+
+        A ``raw_handle`` that cannot be a handle is Triton's answer to a handle it
+        cannot open ("failed to register shared memory region: invalid args"),
+        first and GPU or not: Triton's gRPC frontend hands the request straight to
+        its manager (its clients, missing arguments included, look for those
+        words). The HTTP frontend has checked the region name already.
+        """
         if len(raw_handle) != IPC_HANDLE_BYTES:
             raise InvalidArgument(
-                f"'raw_handle' must be a cudaIpcMemHandle_t of {IPC_HANDLE_BYTES} bytes, got {len(raw_handle)} bytes "
-                "(tritonclient.utils.cuda_shared_memory.get_raw_handle gives one)"
+                f"failed to register shared memory region: invalid args ('raw_handle' must be a cudaIpcMemHandle_t "
+                f"of {IPC_HANDLE_BYTES} bytes, got {len(raw_handle)} bytes; "
+                "tritonclient.utils.cuda_shared_memory.get_raw_handle gives one)"
             )
+        self.require_cuda(name)
+        if not name:
+            raise InvalidArgument(CUDA_NAME_NECESSARY)
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the client's ``cudaIpcMemHandle_t`` (``raw_handle``) on ``device_id`` as region ``name``."""
+        self.check_cuda_register(name, raw_handle)
+        assert self._cuda is not None
         with self._lock:
             if name in self._regions:
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
@@ -293,8 +308,6 @@ class SharedMemoryRegistry:
 
 def cuda_register_error(name: str, why: str = NO_GPU) -> InvalidArgument:
     """Triton's words for a CUDA registration on a server without GPUs, then why."""
-    if not name:
-        return InvalidArgument("'region name' is necessary to register cuda shared memory region")
     return InvalidArgument(
         f"failed to register CUDA shared memory region: '{name}', GPUs not supported ({CUDA_UNAVAILABLE}: {why}; "
         "use system shared memory)"

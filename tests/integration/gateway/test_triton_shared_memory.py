@@ -12,6 +12,7 @@ host do not collide.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -255,6 +256,30 @@ def test_cuda_shared_memory_is_refused_clearly(cluster: Proc) -> None:
     finally:
         http.close()
         grpc_client.close()
+
+
+def test_cuda_register_without_arguments_in_each_frontends_words(cluster: Proc) -> None:
+    """Triton checks the region name over HTTP only; its gRPC path opens the handle at once, so there
+    missing arguments are "invalid args" (python_grpc_aio_test's test_register_cuda_shared_memory)."""
+    invalid_args = "failed to register shared memory region.*invalid args"
+    grpc_client = grpcclient.InferenceServerClient(grpc_url(cluster))
+    try:
+        with pytest.raises(InferenceServerException, match=invalid_args) as info:
+            grpc_client.register_cuda_shared_memory("", b"", 0, 0)
+        assert info.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+    finally:
+        grpc_client.close()
+
+    async def aio() -> None:
+        async with grpcclient_aio.InferenceServerClient(grpc_url(cluster)) as client:
+            with pytest.raises(InferenceServerException, match=invalid_args):
+                await client.register_cuda_shared_memory("", b"", 0, 0)
+
+    asyncio.run(aio())
+    body = json.dumps({"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 0}).encode()
+    for kind in ("cuda", "system"):
+        status, doc = _post(f"http://{http_url(cluster)}/v2/{kind}sharedmemory/register", body)
+        assert (status, doc["error"]) == (400, f"'region name' is necessary to register {kind} shared memory region")
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:

@@ -51,7 +51,8 @@ def test_without_a_gpu_register_is_refused_and_status_lists_nothing() -> None:
         reg.register_cuda("gpu0", b"\0" * IPC_HANDLE_BYTES, 0, 64)
     assert "failed to register CUDA shared memory region: 'gpu0', GPUs not supported" in str(info.value)
     assert "cuda-python is not installed" in str(info.value)
-    with pytest.raises(InvalidArgument, match="'region name' is necessary to register cuda shared memory region"):
+    # What a Triton without GPUs answers its gRPC clients, name or none.
+    with pytest.raises(InvalidArgument, match="^failed to register CUDA shared memory region: '', GPUs not supported"):
         reg.register_cuda("", b"\0" * IPC_HANDLE_BYTES, 0, 64)
     assert reg.cuda_status() == []
     with pytest.raises(NotFound, match="Unable to find cuda shared memory region: 'gpu0'"):
@@ -78,10 +79,26 @@ def test_register_status_advertise_unregister(registry: SharedMemoryRegistry, ip
     assert registry.cuda_status() == [] and ipc.closed == opened and ipc.open_pointers == []
 
 
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "no-gpu"])
+def test_missing_arguments_are_tritons_invalid_args_first(gpu: bool, ipc: HostIpc) -> None:
+    # Triton's python_grpc_aio_test test_register_cuda_shared_memory: register_cuda_shared_memory("", b"", 0, 0)
+    # must match "failed to register shared memory region.*invalid args" (its gRPC path opens the handle at once).
+    reg = SharedMemoryRegistry(ipc if gpu else None)
+    with pytest.raises(InvalidArgument) as info:
+        reg.register_cuda("", b"", 0, 0)
+    assert info.value.message.startswith(
+        "failed to register shared memory region: invalid args ('raw_handle' must be a cudaIpcMemHandle_t of 64 "
+        "bytes, got 0 bytes"), info.value.message
+    assert reg.cuda_status() == [] and ipc.open_pointers == []
+
+
 def test_registration_errors(registry: SharedMemoryRegistry, ipc: HostIpc) -> None:
     handle = ipc.allocate(64)
-    with pytest.raises(InvalidArgument, match="'raw_handle' must be a cudaIpcMemHandle_t of 64 bytes, got 8"):
+    with pytest.raises(InvalidArgument, match=r"^failed to register shared memory region: invalid args \('raw_handle' "
+                                              "must be a cudaIpcMemHandle_t of 64 bytes, got 8"):
         registry.register_cuda("g", b"\0" * 8, 0, 64)
+    with pytest.raises(InvalidArgument, match="'region name' is necessary to register cuda shared memory region"):
+        registry.register_cuda("", handle, 0, 64)
     with pytest.raises(InvalidArgument, match="failed to register shared memory region 'g': invalid args .*invalid"):
         registry.register_cuda("g", b"\1" * IPC_HANDLE_BYTES, 0, 64)
     with pytest.raises(InvalidArgument, match="invalid device ordinal"):
