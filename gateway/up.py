@@ -8,6 +8,9 @@ probes bring it back into rotation. Ctrl-C/SIGTERM stops the gateway first
 first and the workers join it by registering (``infergate worker --gateway``),
 as a fleet does. With ``--local`` the gateway runs the repository's models
 itself too, first in each model's rotation (``--workers 0``: it alone).
+
+The workers' shared token lives in a private temporary directory, removed on
+every way out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,6 +28,7 @@ import math
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from gateway.app import (RunningGateway, add_local_arguments, add_triton_arguments, local_overrides, start_gateway,
@@ -210,7 +215,13 @@ def _registration_target(host: str, grpc_port: int) -> str:
 
 
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
+    # The workers' shared token and ready files live here, and go with it on every way out: a stop or
+    # a failed start here; a second signal's forced exit, which skips this block, in its last word.
+    with tempfile.TemporaryDirectory(prefix="infergate-up-", ignore_cleanup_errors=True) as workdir:
+        return await _serve_from(Path(workdir), args, config)
+
+
+async def _serve_from(workdir: Path, args: argparse.Namespace, config: GatewayConfig) -> int:
     worker_args = list(args.worker_arg)
     token_file: Path | None = None
     if not args.no_worker_token:
@@ -225,7 +236,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     running = None
     processes = process_count(args.gateway_processes)
     if processes > 1:
-        return await _serve_processes(config, workers, processes, token_file, args)
+        return await _serve_processes(config, workers, processes, token_file, workdir, args)
     try:
         if args.register:
             # The gateway first: the workers need its gRPC port to register (their metrics ports come with it).
@@ -266,7 +277,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             "  Ctrl-C stops everything.",
             flush=True,
         )
-        await wait_for_signal()
+        await wait_for_signal(on_forced_exit=partial(shutil.rmtree, workdir, ignore_errors=True))
         log.info("stopping the local cluster")
         return 0
     finally:
@@ -274,7 +285,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 
 async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], count: int, token_file: Path | None,
-                           args: argparse.Namespace) -> int:
+                           workdir: Path, args: argparse.Namespace) -> int:
     """``--gateway-processes N``: the workers, then N gateway processes in front of them (``gateway.multiproc``)."""
     supervisors: set[asyncio.Task[None]] = set()
     group: GatewayProcesses | None = None
@@ -309,7 +320,7 @@ async def _serve_processes(config: GatewayConfig, workers: list[LocalWorker], co
               f"{count} gateway processes  workers: {', '.join(w.address for w in workers)}\n"
               f"  try: curl -s -X POST http://{local}:{group.http_port}/v2/repository/index\n"
               "  Ctrl-C stops everything.", flush=True)
-        signalled = asyncio.ensure_future(wait_for_signal())
+        signalled = asyncio.ensure_future(wait_for_signal(on_forced_exit=partial(shutil.rmtree, workdir, ignore_errors=True)))
         died = asyncio.ensure_future(group.wait_any_exit())
         await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,13 @@ def die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-async def wait_for_signal() -> None:
-    """Return on the first SIGTERM/SIGINT; a second one exits at once."""
+async def wait_for_signal(on_forced_exit: Callable[[], None] | None = None) -> None:
+    """Return on the first SIGTERM/SIGINT; a second one exits at once, after ``on_forced_exit``.
+
+    The forced exit skips every ``finally`` and context manager of the
+    process: ``on_forced_exit`` is the place for what must not outlive it
+    (a directory holding a secret, say).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     count = 0
@@ -87,6 +93,8 @@ async def wait_for_signal() -> None:
         count += 1
         if count > 1:
             logging.getLogger(__name__).warning("second signal: exiting now")
+            if on_forced_exit is not None:
+                on_forced_exit()
             os._exit(1)
         stop.set()
 
