@@ -1,6 +1,8 @@
 """The gateway process: serves what the composition root builds and owns the start/stop order.
 
-Start: cluster (first probe) -> core -> gRPC server -> HTTP site -> ready file.
+Start: both ports checked (a taken one, or both, named in one line before
+anything starts) -> cluster (first probe) -> core -> gRPC server -> HTTP site
+-> ready file.
 Stop (SIGTERM/SIGINT): health NOT_SERVING -> stop accepting new connections
 -> let queued and in-flight requests finish within the grace period -> close
 the rest -> close worker channels. A second signal forces exit.
@@ -46,7 +48,7 @@ from gateway.security.setup import GatewaySecurity, add_security_arguments, secu
 from gateway.settings import MODEL_CONTROL_MODES, ConfigError, GatewayConfig
 from serverkit import tracing
 from serverkit.grpc_server import BURST_OPTIONS
-from serverkit.listen import cannot_listen
+from serverkit.listen import Listener, cannot_listen, cannot_listen_on, unavailable_ports
 from serverkit.process import install_event_loop_policy, set_switch_interval, setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger(__name__)
@@ -249,7 +251,12 @@ async def start_gateway(
     grpc_port = security.add_grpc_port(grpc_server, f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
         await gateway.stop(0)
-        raise ConfigError(cannot_listen("gRPC", config.host, config.grpc_port, "--grpc-port"))
+        # The HTTP port is named too when it is taken as well: one line for every port to change.
+        http_listener, grpc_listener = listeners(config)
+        failures: list[tuple[Listener, OSError | None]] = [(grpc_listener, None)]
+        if unavailable_ports(config.host, [http_listener]) is not None:
+            failures.insert(0, (http_listener, None))
+        raise ConfigError(cannot_listen_on(config.host, failures))
     await grpc_server.start()
 
     app = create_http_app(gateway, max_request_bytes=config.max_request_bytes, shm=shm, logs=logs,
@@ -287,6 +294,18 @@ async def start_gateway(
     return RunningGateway(gateway, runner, grpc_server, frontend, http_port, grpc_port, peer_runner, shm)
 
 
+def listeners(config: GatewayConfig) -> tuple[Listener, Listener]:
+    """The gateway's public ports (HTTP, gRPC), each with the flag that chooses it."""
+    return Listener("HTTP", config.http_port, "--http-port"), Listener("gRPC", config.grpc_port, "--grpc-port")
+
+
+def check_ports(config: GatewayConfig) -> None:
+    """Refuse to start, naming every port taken, before any model is loaded or any worker started."""
+    busy = unavailable_ports(config.host, listeners(config))
+    if busy is not None:
+        raise ConfigError(busy)
+
+
 async def serve(config: GatewayConfig, ready_file: str | None) -> None:
     running = await start_gateway(config)
     write_ready_file(ready_file, {"http_port": running.http_port, "grpc_port": running.grpc_port, "pid": os.getpid()})
@@ -319,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_args(args)
         if args.processes < 0:
             raise ConfigError("--processes must be >= 0 (0: one per core)")
+        if not args.process_spec:  # a group's process binds ports its parent holds
+            check_ports(config)
     except ConfigError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2

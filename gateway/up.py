@@ -9,8 +9,9 @@ first and the workers join it by registering (``infergate worker --gateway``),
 as a fleet does. With ``--local`` the gateway runs the repository's models
 itself too, first in each model's rotation (``--workers 0``: it alone).
 
-The workers' shared token lives in a private temporary directory, removed on
-every way out.
+Before anything starts, the gateway's two ports are checked: a taken one (or
+both) is one line naming each, and no worker is started. The workers' shared
+token lives in a private temporary directory, removed on every way out.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from gateway.app import (RunningGateway, add_local_arguments, add_triton_arguments, local_overrides, start_gateway,
-                         triton_overrides, wait_for_signal)
+from gateway.app import (RunningGateway, add_local_arguments, add_triton_arguments, check_ports, local_overrides,
+                         start_gateway, triton_overrides, wait_for_signal)
 from gateway.observability.trace_settings import trace_config
 from gateway.config import load_config
 from gateway.fleet.cluster import Cluster, ModelInfo
@@ -370,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
                              **triton_overrides(args),
                              **security_overrides(args),
                              **local_overrides(args))
+        check_ports(config)  # before any worker starts or loads a model
     except ConfigError as e:
         print(f"infergate up: {e}", file=sys.stderr)
         return 2
