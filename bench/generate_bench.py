@@ -40,10 +40,10 @@ from execution.backends.base import BackendOptions, Placement  # noqa: E402
 from execution.backends.generate import create_backend  # noqa: E402
 from execution.model import LoadedModel  # noqa: E402
 from loadtest.suite_procs import cpu_seconds  # noqa: E402
+from protos.triton_words import is_final  # noqa: E402
 from tests.harness import start_worker, worker_url  # noqa: E402
 from execution.decoupled import serve_decoupled  # noqa: E402
 
-FINAL = "triton_final_response"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -75,7 +75,7 @@ async def _one(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service
             response = reply.infer_response
             if response.raw_output_contents:
                 arrivals.append(time.monotonic())
-            if response.parameters[FINAL].bool_param:
+            if is_final(response):
                 return int(response.parameters["completion_tokens"].int64_param)
     finally:
         call.cancel()

@@ -32,10 +32,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.openai_stream import OpenAIStreamClient  # noqa: E402
+from protos.triton_words import is_final  # noqa: E402
 from tests.harness import start, start_worker, worker_url  # noqa: E402
 from tests.integration.workers.gen_client import generation_request  # noqa: E402
 
-FINAL = "triton_final_response"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 PATHS = ("worker gRPC", "gateway gRPC", "gateway OpenAI SSE")
 
@@ -60,7 +60,7 @@ async def _grpc_one(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: se
             response = reply.infer_response
             if response.raw_output_contents:
                 times.append(time.perf_counter())
-            if response.parameters[FINAL].bool_param:
+            if is_final(response):
                 tokens = int(response.parameters["completion_tokens"].int64_param) or len(times)
                 return times[0] - sent, _itl(times, tokens), tokens
     finally:

@@ -35,9 +35,8 @@ from execution.model import LoadedModel
 from execution.tensors import encode_response
 from protos import codec
 from protos.errors import InferGateError
+from protos.triton_words import asks_empty_final, set_final
 
-FINAL_RESPONSE = "triton_final_response"
-ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
 ERROR_CODE = "infergate_error_code"
 
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
@@ -60,11 +59,6 @@ def stream_error_code(message: service_pb2.ModelStreamInferResponse) -> grpc.Sta
     return grpc.StatusCode.__members__.get(param.string_param)
 
 
-def wants_empty_final(request: service_pb2.ModelInferRequest) -> bool:
-    param = request.parameters.get(ENABLE_EMPTY_FINAL)
-    return param is not None and param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
-
-
 def set_parameter(param: service_pb2.InferParameter, value: object) -> None:
     if isinstance(value, bool):
         param.bool_param = value
@@ -78,7 +72,7 @@ def set_parameter(param: service_pb2.InferParameter, value: object) -> None:
 
 async def serve_decoupled(model: LoadedModel, request: service_pb2.ModelInferRequest, write: Write) -> int:
     """Forward the responses of one request as the model sends them; returns how many went out."""
-    empty_final = wants_empty_final(request)
+    empty_final = asks_empty_final(request)
     sent = 0
     # The last plain response (no parameters, not final) and its outputs' shapes: a response of the same
     # shapes (a generation's every token) is a copy of it with new contents, about half the encoding's cost.
@@ -104,7 +98,7 @@ def _message(model: LoadedModel, request: service_pb2.ModelInferRequest, event: 
     response = encode_response(request, model.version_str, event.outputs, list(event.outputs))
     for key, value in event.parameters.items():
         set_parameter(response.parameters[key], value)
-    response.parameters[FINAL_RESPONSE].bool_param = event.final
+    set_final(response, event.final)
     return service_pb2.ModelStreamInferResponse(infer_response=response)
 
 

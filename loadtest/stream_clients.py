@@ -47,12 +47,12 @@ from loadtest.clients import GrpcBenchClient, HttpBenchClient, grpc_error_kind
 from loadtest.config import BenchConfig
 from loadtest.inputs import ModelSignature
 from loadtest.streaming import StreamRecord
+from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL
+from protos.triton_words import FINAL_RESPONSE
 
 log = logging.getLogger(__name__)
 
 _STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-EMPTY_FINAL = "triton_enable_empty_final_response"
-_FINAL = "triton_final_response"
 
 Clock = Callable[[], float]
 # A mode's wire form of one of its payloads.
@@ -91,9 +91,9 @@ class FirstErrors:
 
 
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
-    if _FINAL not in response.parameters:
+    if FINAL_RESPONSE not in response.parameters:
         return True  # not a decoupled answer: one response is the whole answer
-    return response.parameters[_FINAL].bool_param
+    return response.parameters[FINAL_RESPONSE].bool_param
 
 
 class GrpcStreamSlot:

@@ -30,7 +30,8 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from gateway.frontends.grpc_errors import abort, as_error, stream_error
-from gateway.frontends.grpc_wire import EMPTY_FINAL, FINAL_RESPONSE, decode_infer_request, encode_infer_response, param_value
+from gateway.frontends.grpc_wire import decode_infer_request, encode_infer_response, param_value
+from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL, set_final
 from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.types import InferenceCore, InferRequest, InferResponse
@@ -76,13 +77,13 @@ def _message(resp: InferResponse, req: InferRequest, asked: bool, plain: bool
             data = tensor.data
             raws.append(data if isinstance(data, bytes) else bytes(data))
         else:
-            out.parameters[FINAL_RESPONSE].bool_param = resp.final
+            set_final(out, resp.final)
             return message
     out = encode_infer_response(resp, req)
     if resp.arrived:  # a decoupled model's response: flagged on every one, as Triton's
-        out.parameters[FINAL_RESPONSE].bool_param = resp.final
+        set_final(out, resp.final)
     elif asked:
-        out.parameters[FINAL_RESPONSE].bool_param = True  # one response: it is the final one
+        set_final(out, True)  # one response: it is the final one
     message.infer_response.CopyFrom(out)
     return message
 

@@ -23,8 +23,6 @@ _PRIORITY = "priority"
 _TIMEOUT = "timeout"
 _IGNORED_PARAMETERS = frozenset({"binary_data_output"})  # HTTP-only; gRPC outputs are always raw
 _RESERVED_PREFIX = "triton_"
-EMPTY_FINAL = "triton_enable_empty_final_response"  # streaming only, as in Triton
-FINAL_RESPONSE = "triton_final_response"
 SHM_MESSAGE = (
     "shared memory is not supported by this server; send tensors in the request "
     "(raw_input_contents) instead"

@@ -54,6 +54,7 @@ from gateway.types import InferenceCore, InferRequest, InferResponse, Tensor
 from protos import json_codec
 from protos.codec import DATATYPES, serialize_bytes_tensor
 from protos.errors import InferGateError, Internal, InvalidArgument, Unsupported
+from protos.triton_words import FINAL_RESPONSE
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 NOT_ONE_RESPONSE = ("generate expects model to produce exactly 1 response, use generate stream for model that "
                     "generates various number of responses")
 # The flag a decoupled model's responses carry: the stream's business, not the client's JSON.
-_FINAL_FLAG = "triton_final_response"
 _PARAMETERS = "parameters"
 # Responses below this go uncompressed (as on /infer).
 _COMPRESS_MIN_BYTES = 512
@@ -199,7 +199,7 @@ def generate_response_json(response: InferResponse, request: InferRequest) -> di
     fields["model_name"] = response.model or request.model
     fields["model_version"] = response.version or request.version
     for key, value in response.parameters.items():
-        if key == _FINAL_FLAG or key in fields:
+        if key == FINAL_RESPONSE or key in fields:
             continue
         if not isinstance(value, (str, bool, int, float)):
             raise Unsupported(f"Response parameter '{key}' has type 'TRITONSERVER_PARAMETER_BYTES' which is "

@@ -33,9 +33,9 @@ import numpy as np
 from gateway.frontends.openai_text import BadParameter, render_chat
 from gateway.types import InferRequest, InferResponse, Tensor
 from protos.codec import DATATYPES, deserialize_bytes_tensor, serialize_bytes_tensor
+from protos.triton_words import ENABLE_EMPTY_FINAL
 
 Kind = Literal["completion", "chat"]
-EMPTY_FINAL = "triton_enable_empty_final_response"
 TEXT_OUTPUT = "text_output"
 MAX_N = 16
 MAX_STOPS = 4
@@ -215,7 +215,7 @@ def model_request(generation: Generation, prompt: str, seed: int | None, *, inpu
     values: dict[str, Any] = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                               "seed": seed}
     tensors = [_tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_), batched)]
-    parameters: dict[str, Any] = {EMPTY_FINAL: True}
+    parameters: dict[str, Any] = {ENABLE_EMPTY_FINAL: True}
     if s.ignore_eos:
         parameters["ignore_eos"] = True
     for name, value in values.items():

@@ -10,8 +10,9 @@ import base64
 import numpy as np
 import pytest
 
+from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL
 from gateway.frontends.openai_codec import (
-    EMPTY_FINAL,
+
     Choice,
     Usage,
     chat_request,
