@@ -22,16 +22,17 @@ being built.
 7. ``observability``: statistics, latency, Prometheus metrics, cluster API, dashboard, tracing.
 8. ``caching``: the response cache (Triton's ``response_cache``).
 9. ``batching``: the per-model queue and its policy, batch assembly.
-10. ``fleet``: cluster view, membership, placement, the drain procedure, worker client, the local replica.
-11. ``routing``: replica choice, attempts, retry budget, hedging, ejection, sequences.
-12. ``parallel``: serving split models (plans come from ``splitter``).
-13. ``frontends``: HTTP/REST and gRPC, wire codecs, guards, admin routes, HTTP error answers.
-14. ``security``: API keys, TLS, the frontends' access checks, the worker token.
-15. ``multiproc``: several gateway processes behind one pair of ports.
-16. ``core``: the request path as named steps (``core.pipeline``), model resolution, metadata and repository calls.
-17. ``composition``: builds every part from the config and hands each its collaborators.
-18. ``app``, ``serve``: process wiring: which parts start and stop in which order; ``serve``: the gateway running its models itself.
-19. ``up``: a local cluster (workers and a gateway) in one command.
+10. ``replicas``: the replica interface and its implementations: the gRPC worker client (its transports), the local replica.
+11. ``fleet``: cluster view, membership, placement, the drain procedure.
+12. ``routing``: replica choice, attempts, retry budget, hedging, ejection, sequences, the one routing path.
+13. ``parallel``: serving split models (plans come from ``splitter``).
+14. ``frontends``: HTTP/REST and gRPC, wire codecs, guards, admin routes, HTTP error answers.
+15. ``security``: API keys, TLS, the frontends' access checks, the worker token.
+16. ``multiproc``: several gateway processes behind one pair of ports.
+17. ``core``: the request path as named steps (``core.pipeline``), model resolution, metadata and repository calls.
+18. ``composition``: builds every part from the config and hands each its collaborators.
+19. ``app``, ``serve``: process wiring: which parts start and stop in which order; ``serve``: the gateway running its models itself.
+20. ``up``: a local cluster (workers and a gateway) in one command.
 
 May import, besides: ``execution`` (models run in this process, as a local
 replica), ``protos``, ``serverkit``, ``splitter``; never ``workers``,

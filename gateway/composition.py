@@ -16,7 +16,7 @@ processes) and is what ``gateway.app`` calls. Tests build gateways here too,
 passing a cluster or router of their own.
 
 With ``local.enabled`` (``infergate serve``) it builds the local replica
-(``gateway.fleet.local_replica``: the repository's models run in this
+(``gateway.replicas.local``: the repository's models run in this
 process) and hands it to the cluster as one more worker, and the router a
 choice policy that tries it first (``LocalFirst``). Streams of generative
 models are routed by their prompt's prefix (``gateway.routing.prefix``): the
@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from tritonclient.grpc import model_config_pb2
 
@@ -45,7 +44,7 @@ from gateway.core.pipeline import RequestPipeline
 from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster, ClientFactory
-from gateway.fleet.local_replica import LOCAL_SPEC, LocalOptions, LocalReplica
+from gateway.replicas.local import LOCAL_SPEC, LocalOptions, LocalReplica
 from gateway.fleet.manager import Fleet, PlacementFactory
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
@@ -70,7 +69,7 @@ from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
 from gateway.security.setup import worker_client_factory, worker_token
-from gateway.fleet.worker_client import WorkerClient
+from gateway.replicas.replica import Replica
 from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError
@@ -188,8 +187,8 @@ def build_local(config: GatewayConfig) -> LocalReplica | None:
 def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:
     remote: ClientFactory = worker_client_factory(config)  # with the worker token and TLS, when configured
 
-    def factory(spec: WorkerSpec) -> WorkerClient:  # the local replica answers as a worker client does
-        return cast(WorkerClient, local) if local is not None and spec == LOCAL_SPEC else remote(spec)
+    def factory(spec: WorkerSpec) -> Replica:  # the local replica is one more replica, in this process
+        return local if local is not None and spec == LOCAL_SPEC else remote(spec)
 
     return Cluster(
         (LOCAL_SPEC, *config.workers) if local is not None else config.workers,

@@ -1,6 +1,6 @@
 """``infergate serve --model-repository DIR``: one process where one machine
 serves. The gateway with local execution on: the repository's models run in
-this process (``gateway.fleet.local_replica``), with every gateway feature
+this process (``gateway.replicas.local``), with every gateway feature
 in front of them, and any workers given (``--worker``) join each model's
 rotation behind the local replica.
 

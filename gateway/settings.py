@@ -362,10 +362,10 @@ class GatewayConfig:
     workers: tuple[WorkerSpec, ...] = ()
     # DNS names whose every address is a worker (`[triton://]NAME:PORT`), re-resolved.
     worker_dns: tuple[str, ...] = ()
-    # "unary" or "stream": see gateway.fleet.worker_stream.
+    # "unary" or "stream": see gateway.replicas.unary_stream.
     worker_calls: str = "unary"
     # "packed" or "per_request": how streamed requests reach infergate workers
-    # (gateway.fleet.worker_packed_streams).
+    # (gateway.replicas.packed_streams).
     worker_streams: str = "packed"
     default_timeout_s: float = 60.0
     max_request_bytes: int = 256 * 2**20

@@ -5,8 +5,8 @@ admits, resolves and validates it as the request path does
 (``gateway.core.pipeline``), then, for a decoupled model (its config's
 ``model_transaction_policy { decoupled: true }``, as the workers report it),
 runs it here: no batching (a stream is one request's), no response cache,
-one replica picked by the router's replica choice and its ``ModelStreamInfer``
-call to it (``gateway.routing.streams``, ``gateway.fleet.stream_call``). Each
+one replica picked by the router's replica choice and the
+stream on it (``gateway.routing.streams``, ``Router.stream``). Each
 worker response becomes an ``InferResponse`` and is yielded at once; the
 last one carries ``final``. The worker always marks the end with an empty
 final response; it is dropped here unless the client asked for it
@@ -31,7 +31,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from execution.decoupled import set_parameter
 from gateway.batching.assembly import build_batch_request
 from gateway.core.parts import GatewayParts
-from gateway.fleet.stream_call import EMPTY_FINAL, FINAL_RESPONSE, is_final
+from protos.triton_words import ENABLE_EMPTY_FINAL, FINAL_RESPONSE, is_final
 from gateway.observability.streams import StreamStats
 from gateway.routing.streams import StreamRouting
 from gateway.types import InferRequest, InferResponse, Tensor
@@ -103,7 +103,7 @@ class StreamPath:
     async def run(self, request: InferRequest, version: str, started: float) -> AsyncIterator[InferResponse]:
         """The responses of a validated, admitted request, as its worker sends them."""
         parts, model = self._parts, request.model
-        want_empty_final = request.parameters.get(EMPTY_FINAL) is True
+        want_empty_final = request.parameters.get(ENABLE_EMPTY_FINAL) is True
         pb = worker_request(request, version)
         request.dispatched = started
         sent = 0

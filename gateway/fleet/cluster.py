@@ -38,7 +38,8 @@ from tritonclient.grpc import model_config_pb2
 from gateway.fleet.probe_deadline import LoopStalls, within
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
 from gateway.fleet.view import ModelInfo, WorkerModel, WorkerState, WorkerStatus, version_key
-from gateway.fleet.worker_client import WorkerClient
+from gateway.replicas.replica import Replica
+from gateway.replicas.worker_client import WorkerClient
 from gateway.settings import WorkerSpec
 from protos.errors import InferGateError
 from protos.execution_slots import execution_slots
@@ -46,10 +47,10 @@ from protos.execution_slots import execution_slots
 log = logging.getLogger(__name__)
 
 ChangeListener = Callable[[], None]
-ClientFactory = Callable[[WorkerSpec], WorkerClient]
+ClientFactory = Callable[[WorkerSpec], Replica]
 
 
-def _default_client(spec: WorkerSpec) -> WorkerClient:
+def _default_client(spec: WorkerSpec) -> Replica:
     return WorkerClient(spec.address, kind=spec.kind, headers=dict(spec.headers))
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.fleet.demand import AutoscalePolicy, DemandBook
 from gateway.fleet.rendezvous import Bin, Demand, plan
-from gateway.fleet.worker_client import WorkerUnreachable
+from gateway.replicas.errors import WorkerUnreachable
 from gateway.fleet.worker_reports import ModelMemory, observed
 from gateway.settings import GatewayConfig
 from protos.errors import InferGateError, ModelNotFound, Unavailable

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster, WorkerState
-from gateway.fleet.worker_client import ModelControlDisabled
+from gateway.replicas.errors import ModelControlDisabled
 from protos.errors import InferGateError, ModelNotFound, Unavailable
 
 _NO_MODEL_CONTROL = (

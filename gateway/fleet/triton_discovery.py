@@ -26,7 +26,8 @@ from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.fleet.worker_client import WorkerClient, WorkerUnreachable
+from gateway.replicas.replica import Replica
+from gateway.replicas.errors import WorkerUnreachable
 from protos.errors import InferGateError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class ProbedWorker(Protocol):
     def kind(self) -> str: ...
 
     @property
-    def client(self) -> WorkerClient: ...
+    def client(self) -> Replica: ...
 
     @property
     def models(self) -> Mapping[str, object]: ...
@@ -56,7 +57,7 @@ class ProbedWorker(Protocol):
     failed: dict[str, str]
 
 
-async def check_health(client: WorkerClient, kind: str, timeout_s: float) -> None:
+async def check_health(client: Replica, kind: str, timeout_s: float) -> None:
     """Raise ``Unavailable`` unless the worker can take work."""
     if kind == "triton":
         # Triton's ServerReady is false while any one of its models loads or
@@ -151,7 +152,7 @@ def note_readable(worker: ProbedWorker, call: str) -> None:
 
 
 async def read_model(
-    client: WorkerClient, name: str, timeout_s: float
+    client: Replica, name: str, timeout_s: float
 ) -> tuple[model_config_pb2.ModelConfig, service_pb2.ModelMetadataResponse] | None:
     """The model's config and metadata; None when it cannot be read now (skipped this round)."""
     try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.fleet.worker_client import WorkerClient
+from gateway.replicas.replica import Replica
 from gateway.settings import WorkerSpec
 
 
@@ -45,7 +45,7 @@ class WorkerState:
     """
 
     spec: WorkerSpec
-    client: WorkerClient
+    client: Replica
     state: WorkerStatus = WorkerStatus.DOWN
     consecutive_failures: int = 0
     last_error: str = ""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import orjson
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.local_replica import LocalReplica
+from gateway.replicas.local import LocalReplica
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup

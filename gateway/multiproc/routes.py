@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.drain import drain_worker, undrain_worker
-from gateway.fleet.local_replica import LocalReplica
+from gateway.replicas.local import LocalReplica
 from gateway.fleet.manager import Fleet
 from gateway.frontends.admin_routes import add_drain_routes
 from gateway.multiproc.group import LOCAL_ACTION

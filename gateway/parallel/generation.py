@@ -26,7 +26,7 @@ waited for there (:data:`STEP_TIMEOUT_S` at most).
 
 One generation instance per logical model, built when its first stream
 comes and rebuilt after the model is loaded again; unloaded, the model is
-not found. Streams are served in-process (``gateway.fleet.local_stream``):
+not found. Streams are served in-process (``gateway.replicas.in_process``):
 this object answers as a worker client's streaming side does.
 """
 
@@ -34,21 +34,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
-from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 from execution.backends.base import Placement
 from execution.backends.generate import DecoderStep, GenerateInstance, int_parameter
 from execution.backends.generate_scheduler import GenerationStats
 from execution.model import LoadedModel
-from gateway.fleet.local_stream import LocalStreamCall
 from gateway.parallel.logical import VERSION
 from gateway.parallel.serving import ParallelModels
-from protos.errors import InferGateError, Internal, ModelNotFound
+from gateway.replicas.in_process import in_process_stream
+from gateway.replicas.replica import StreamItem
+from protos.errors import Internal, ModelNotFound
 from splitter.layout_split import LayoutSplit
 
 log = logging.getLogger(__name__)
@@ -122,14 +122,11 @@ class SplitDecoders:
                  len(layout.result.models), limit)
         return _Decoder(layout, model, instance)
 
-    # ---- the streaming client's side ----------------------------------------------------
+    # ---- streams (a StreamSource) ---------------------------------------------------------
 
-    def stream_call(self, timeout_s: float | None) -> LocalStreamCall:
-        return LocalStreamCall(self, timeout_s, _WHERE)
-
-    def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
-        """Never called (no gRPC status in-process); here for the streaming client's interface."""
-        return Internal(f"{_WHERE}: {e.details() or e.code().name}")
+    def stream(self, request: service_pb2.ModelInferRequest, timeout_s: float | None) -> AsyncIterator[StreamItem]:
+        """One streamed request of a split decoder, its decoding loop run here (``gateway.replicas.in_process``)."""
+        return in_process_stream(self, request, timeout_s, _WHERE)
 
     # ---- views and shutdown ---------------------------------------------------------------
 

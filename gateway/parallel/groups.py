@@ -28,6 +28,7 @@ import uuid
 
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.parallel.served import PeerGroup, ServedModel
+from gateway.replicas.replica import group_member
 from protos.collective_pb2 import Boundary, SetupGroupRequest, Step, TeardownGroupRequest
 from splitter.plan import Boundary as PlanBoundary
 from splitter.plan import Collective, Plan
@@ -143,7 +144,7 @@ class GroupKeeper:
             assert worker is not None
             request = SetupGroupRequest(group_id=group.id, epoch=group.epoch, rank=rank, peers=list(group.members),
                                         kind=kind, steps=list(served.slot_steps[rank]))
-            await worker.client.setup_group(request, timeout_s=SETUP_TIMEOUT_S)
+            await group_member(worker.client).setup_group(request, timeout_s=SETUP_TIMEOUT_S)
 
         results = await asyncio.gather(*(one(r, a) for r, a in enumerate(group.members)), return_exceptions=True)
         failed = [(a, r) for a, r in zip(group.members, results) if isinstance(r, BaseException)]
@@ -163,7 +164,7 @@ class GroupKeeper:
             if worker is None or worker.state is not WorkerStatus.READY:
                 return
             try:
-                await worker.client.teardown_group(TeardownGroupRequest(group_id=group.id, epoch=group.epoch),
+                await group_member(worker.client).teardown_group(TeardownGroupRequest(group_id=group.id, epoch=group.epoch),
                                                    timeout_s=SETUP_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - tearing down is best effort by design
                 log.info("tearing down group %s on %s: %s", group.id, address, e)

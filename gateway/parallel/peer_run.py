@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster
 from gateway.parallel.groups import PeerGroup
+from gateway.replicas.replica import group_member
 from protos.collective_pb2 import RunRequest, RunResponse, Tensor
 from protos.errors import Internal, InvalidArgument, Unavailable
 
@@ -57,7 +58,7 @@ async def run_on_group(
             raise Unavailable(f"group {group.id}: worker {address} left the cluster")
         call = RunRequest(group_id=group.id, epoch=group.epoch, batch_id=batch_id, rank=rank, inputs=inputs,
                           outputs=output_names if rank == 0 else [])
-        calls.append(worker.client.run_group(call, timeout_s))
+        calls.append(group_member(worker.client).run_group(call, timeout_s))
     started = time.perf_counter()
     group.inflight += 1
     try:

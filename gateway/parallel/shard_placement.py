@@ -26,7 +26,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import Cluster, ModelInfo, WorkerState, WorkerStatus
-from gateway.fleet.worker_client import WorkerUnreachable
+from gateway.replicas.errors import WorkerUnreachable
 from gateway.parallel.placement import SlotKey, place
 from gateway.parallel.served import ServedModel
 from splitter.shards import shard_config

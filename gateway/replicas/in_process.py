@@ -1,94 +1,90 @@
-"""One streamed request on the gateway's local replica, shaped as the gRPC
-call that ``gateway.fleet.stream_call`` drives for a remote worker
-(``write``, ``done_writing``, ``read`` until ``grpc.aio.EOF``, ``code``,
-``cancel``), so a decoupled model streams in-process by the same path.
+"""One streamed request of a decoupled model run in this process: the local
+replica's streams, and a gateway's split decoders'.
 
-``done_writing`` starts the model's execution as a task (the execution
-package's ``serve_decoupled``, as the worker's ``ModelStreamInfer`` runs
-it); each response it sends lands in a queue ``read`` takes from. An error
-comes as an in-stream ``error_message``, as a worker sends it. The deadline
-bounds the whole call: past it ``read`` raises ``DeadlineExceeded``, and
-``cancel`` (the client went away, the answer is complete) cancels the task,
-which cancels the request at the model.
+The model's execution runs as a task (the execution package's
+``serve_decoupled``, as a worker's ``ModelStreamInfer`` runs it); each
+message it sends lands in a queue the stream reads, and is read as a
+worker's streamed message is (``gateway.replicas.grpc_stream.answer_of``:
+an error ends the request with the same classes). The deadline bounds the
+whole stream: past it the stream raises ``DeadlineExceeded``. Closing the
+stream before its end (the client went away, the deadline passed) cancels
+the task, which cancels the request at the model.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
 
-import grpc
 from tritonclient.grpc import service_pb2
 
 from execution.answers import as_error
 from execution.decoupled import serve_decoupled, stream_error_response
 from execution.model import LoadedModel
-from protos.errors import DeadlineExceeded, InvalidArgument
+from gateway.replicas.grpc_stream import CLOSE_WAIT_S, answer_of, deadline_passed
+from gateway.replicas.replica import StreamItem
+from protos.errors import Unavailable
+from protos.triton_words import ask_empty_final, is_final
 
-_Message = service_pb2.ModelStreamInferResponse | Any  # or grpc.aio.EOF
+_END = object()
 
 
 class ModelLookup(Protocol):
-    """Where a local call finds its model: the local replica's model manager, or a gateway's split decoders."""
+    """Where an in-process stream finds its model: the local replica's model manager, or a gateway's split decoders."""
 
     def get(self, name: str, version: str = "") -> LoadedModel: ...
 
 
-class LocalStreamCall:
-    """The in-process counterpart of one ``ModelStreamInfer`` call carrying one request."""
+async def in_process_stream(
+    models: ModelLookup, request: service_pb2.ModelInferRequest, timeout_s: float | None, where: str,
+) -> AsyncIterator[StreamItem]:
+    """Each response of ``request``, run on its model in ``models``, with its arrival time; the last one final.
 
-    def __init__(self, manager: ModelLookup, timeout_s: float | None, where: str) -> None:
-        self._manager = manager
-        self._where = where
-        loop = asyncio.get_running_loop()
-        self._deadline = None if timeout_s is None else loop.time() + timeout_s
-        # Bounded by one request's responses: the model's thread cannot wait on it (execution.model).
-        self._messages: asyncio.Queue[_Message] = asyncio.Queue()
-        self._request: service_pb2.ModelInferRequest | None = None
-        self._task: asyncio.Task[None] | None = None
+    ``where`` names the place in errors ("the gateway's local replica").
+    """
+    ask_empty_final(request)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    # Bounded by one request's responses: the model's thread cannot wait on it (execution.model).
+    messages: asyncio.Queue[service_pb2.ModelStreamInferResponse | object] = asyncio.Queue()
 
-    async def write(self, request: service_pb2.ModelInferRequest) -> None:
-        if self._request is not None:
-            raise InvalidArgument("one request per local stream call")
-        self._request = request
+    async def put(message: service_pb2.ModelStreamInferResponse) -> None:
+        messages.put_nowait(message)
 
-    async def done_writing(self) -> None:
-        if self._request is None or self._task is not None:
-            return
-        self._task = asyncio.get_running_loop().create_task(self._serve(self._request), name="local-stream")
-
-    async def _serve(self, request: service_pb2.ModelInferRequest) -> None:
+    async def serve() -> None:
         try:
             # No await between the lookup and the stream counting itself in flight (execution.model).
-            model = self._manager.get(request.model_name, request.model_version)
-            await serve_decoupled(model, request, self._put)
+            model = models.get(request.model_name, request.model_version)
+            await serve_decoupled(model, request, put)
         except Exception as exc:
-            self._messages.put_nowait(stream_error_response(request, as_error(exc, "ModelStreamInfer", self._where)))
+            messages.put_nowait(stream_error_response(request, as_error(exc, "ModelStreamInfer", where)))
         finally:
-            self._messages.put_nowait(grpc.aio.EOF)
+            messages.put_nowait(_END)
 
-    async def _put(self, message: service_pb2.ModelStreamInferResponse) -> None:
-        self._messages.put_nowait(message)
-
-    async def read(self) -> _Message:
-        if self._deadline is None:
-            return await self._messages.get()
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                return await self._messages.get()
-        except TimeoutError:
-            self.cancel()
-            request = self._request
-            raise DeadlineExceeded(
-                f"deadline exceeded while request '{request.id if request else ''}' of model "
-                f"'{request.model_name if request else ''}' was streaming from {self._where}") from None
-
-    async def code(self) -> grpc.StatusCode:
-        if self._task is not None:
-            await asyncio.wait({self._task})
-        return grpc.StatusCode.OK
-
-    def cancel(self) -> bool:
-        if self._task is None or self._task.done():
-            return False
-        return self._task.cancel()
+    task = loop.create_task(serve(), name="in-process-stream")
+    received = 0
+    ended = False
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await messages.get()
+            except TimeoutError:
+                raise deadline_passed(request, where, received) from None
+            if message is _END:
+                raise Unavailable(f"{where} ended the stream of request '{request.id}' without a final response")
+            arrived = time.monotonic()
+            response = answer_of(message)  # type: ignore[arg-type]
+            received += 1
+            ended = is_final(response)
+            yield response, arrived
+            if ended:
+                return
+    finally:
+        if ended:  # answered in full: the model's task ends by itself
+            await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,6 +1,7 @@
 """A local replica: the models of a repository run inside the gateway process,
-behind the same client interface the cluster and the router use for a remote
-worker (``gateway.fleet.worker_client.WorkerClient``).
+behind the replica interface the cluster and the router use for a remote
+worker (``gateway.replicas.replica.Replica``), as vLLM's in-process engine
+client stands beside its socket one.
 
 It owns an ``execution`` model manager (repository, ONNX Runtime and the
 other backends, warmup, sequences, statistics) and answers each client call
@@ -17,9 +18,9 @@ class (a request's fault stays a 4xx); anything else becomes an INTERNAL
 naming it. A model that crashes the process takes the gateway down with it:
 the documented price of running in-process.
 
-A decoupled model streams in-process too: ``stream_call`` gives the call
-object the streaming path drives (``gateway.fleet.local_stream``). Not
-served locally: collective groups (split models run on workers).
+A decoupled model streams in-process too (``stream``:
+``gateway.replicas.in_process``). Not served locally: collective groups
+(split models run on workers).
 """
 
 from __future__ import annotations
@@ -28,22 +29,22 @@ import asyncio
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from execution.answers import as_error, load_arguments, model_metadata
 from execution.backends.base import BackendOptions, ConfigBackends, create_backend
 from execution.manager import ModelManager
 from execution.repository import ModelRepository
-from gateway.fleet.local_stream import LocalStreamCall
+from gateway.replicas.in_process import in_process_stream
+from gateway.replicas.replica import StreamItem
 from gateway.settings import LocalSettings, WorkerSpec
 from protos import wire
-from protos.errors import DeadlineExceeded, InferGateError, Internal, Unavailable
+from protos.errors import DeadlineExceeded, InferGateError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class LocalOptions:
 
 
 class LocalReplica:
-    """The models of one repository, in this process, as a worker client answers for them."""
+    """The models of one repository, in this process: a replica of each."""
 
     address = LOCAL_ADDRESS
     kind = LOCAL_KIND
@@ -111,14 +112,11 @@ class LocalReplica:
         log.info("local execution: %s; loading %d model(s) from %s", self.describe(), len(names), self._options.repository)
         await self.manager.load_all(names)
 
-    # ---- the worker client's interface -------------------------------------------
+    # ---- the replica interface ------------------------------------------------------
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def connected(self, lane: str = "data") -> bool:
-        return not self._closed
 
     async def data_lane_ready(self, timeout_s: float) -> None:
         self._check_open()
@@ -140,14 +138,10 @@ class LocalReplica:
         except Exception as exc:
             raise as_error(exc, "ModelInfer", _WHERE) from None
 
-    def stream_call(self, timeout_s: float | None) -> LocalStreamCall:
-        """One streamed request of a decoupled model, run in-process (``gateway.fleet.stream_call`` drives it)."""
+    def stream(self, request: service_pb2.ModelInferRequest, timeout_s: float | None) -> AsyncIterator[StreamItem]:
+        """One streamed request of a decoupled model, run in-process (``Replica.stream``)."""
         self._check_open()
-        return LocalStreamCall(self.manager, timeout_s, _WHERE)
-
-    def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
-        """Never called for in-process calls (no gRPC status); here for the streaming client's interface."""
-        return Internal(f"{_WHERE}: {e.details() or e.code().name}")
+        return in_process_stream(self.manager, request, timeout_s, _WHERE)
 
     async def server_live(self, timeout_s: float | None = None) -> bool:
         return not self._closed

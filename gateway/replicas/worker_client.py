@@ -1,5 +1,6 @@
 """The gateway's client for one KServe v2 gRPC server: an infergate worker or a
-real Triton Inference Server, spoken to through the same generated stubs.
+real Triton Inference Server, spoken to through the same generated stubs; a
+``gateway.replicas.replica.Replica``.
 
 It owns two channels to the worker, each its own HTTP/2 connection: the data
 channel carries inference and model loads (tensors and files, up to
@@ -9,30 +10,40 @@ connection's flow-control window and write queue, so a worker busy receiving
 a large request still answers its probe in time. It also owns the
 per-call metadata and the one place where a worker's gRPC status becomes a
 ``protos.errors`` exception. Transport failures (refused, reset, closed
-connection) become :class:`WorkerUnreachable`, an ``Unavailable`` the router
+connection) become ``WorkerUnreachable``, an ``Unavailable`` the router
 retries elsewhere and that lets it mark the worker down at once. Three answers
 of a live Triton server get classes of their own, still ``Unavailable`` (the
-code passes through unchanged): :class:`RestrictedProtocol` (a protocol group
-its headers do not unlock), :class:`ModelNotReady` (a model unloading) and
-:class:`ModelControlDisabled` (no explicit model control, so no load or unload);
-a worker whose queue is full answers :class:`WorkerBusy`, an ``Overloaded``.
+code passes through unchanged): ``RestrictedProtocol`` (a protocol group
+its headers do not unlock), ``ModelNotReady`` (a model unloading) and
+``ModelControlDisabled`` (no explicit model control, so no load or unload);
+a worker whose queue is full answers ``WorkerBusy``, an ``Overloaded``
+(all in ``gateway.replicas.errors``).
+
+A streamed request (``stream``) goes on a ``ModelStreamInfer`` call of its
+own (``gateway.replicas.grpc_stream``), or, to an infergate worker with
+``packed_streams``, on the worker's one packed call
+(``gateway.replicas.packed_streams``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from gateway.replicas.errors import (ModelControlDisabled, ModelNotReady, RestrictedProtocol, WorkerBusy,
+                                     WorkerUnreachable)
+from gateway.replicas.grpc_stream import call_responses
+from gateway.replicas.packed_streams import PackedStreams
+from gateway.replicas.replica import StreamItem
+from gateway.replicas.unary_stream import InferStream
 from protos import collective_pb2, wire
-from gateway.fleet.worker_packed_streams import PackedCall, PackedStreams
-from gateway.fleet.worker_stream import InferStream, StreamLost
 from protos.collective_pb2_grpc import CollectiveStub
-from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
+from protos.errors import InferGateError, from_grpc_code
 from serverkit import tracing
 
 log = logging.getLogger(__name__)
@@ -54,31 +65,6 @@ _TRANSPORT_CODES = frozenset(
 )
 
 _Resp = TypeVar("_Resp")
-
-
-class WorkerUnreachable(Unavailable):
-    """The call did not reach the worker, or its connection broke: retryable."""
-
-
-class WorkerBusy(Overloaded):
-    """The worker refused the call for now: its queue for the model is full
-    (a refusal with a retry hint, or Triton's "Exceeds maximum queue size").
-    Retryable on another replica, and no fault of the worker."""
-
-
-class RestrictedProtocol(Unavailable):
-    """The worker refused a protocol group that the headers sent do not unlock
-    (Triton's ``--grpc-restricted-protocol``): the worker is up, the call is not allowed."""
-
-
-class ModelNotReady(Unavailable):
-    """The worker has the model but not ready (Triton unloading it, or shutting down):
-    retryable, and that replica should leave the model's rotation."""
-
-
-class ModelControlDisabled(Unavailable):
-    """The worker does not load or unload models on request (a Triton server
-    without ``--model-control-mode=explicit``); it serves what it loaded at start."""
 
 
 def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
@@ -143,12 +129,12 @@ class WorkerClient:
         # ModelInfer on the data channel, serializing requests whose large tensors are kept aside (protos.wire).
         self._model_infer: grpc.aio.UnaryUnaryMultiCallable | None = None
         # With stream_calls, small inference calls to an infergate worker go as
-        # messages of one stream (gateway.fleet.worker_stream); large ones stay
+        # messages of one stream (gateway.replicas.unary_stream); large ones stay
         # unary, so a big tensor never holds up the stream's other messages.
         self._stream_calls = stream_calls and kind == "infergate"
         self._stream: InferStream | None = None
         # With packed_streams, every streamed request to an infergate worker shares
-        # one call whose responses come packed (gateway.fleet.worker_packed_streams).
+        # one call whose responses come packed (gateway.replicas.packed_streams).
         self._packed: PackedStreams | None = None
         if packed_streams and kind == "infergate":
             self._packed = PackedStreams(lambda md: self._service(_DATA).ModelStreamInfer(metadata=md),
@@ -293,10 +279,7 @@ class WorkerClient:
                 response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
             )
             self._stream = InferStream(lambda: method(metadata=self._call_metadata), self.address)
-        try:
-            answer = await self._stream.infer(request, timeout_s)
-        except StreamLost as e:
-            raise WorkerUnreachable(e.message) from None
+        answer = await self._stream.infer(request, timeout_s)
         # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
         answer.infer_response.id = request.id
         return answer
@@ -309,14 +292,14 @@ class WorkerClient:
         return WorkerUnreachable(f"worker {self.address}: streamed requests' call lost "
                                  f"({e.code().name}: {e.details() or ''})")
 
-    def stream_call(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall | PackedCall:
-        """A ``ModelStreamInfer`` call for one streamed request (``gateway.fleet.stream_call``):
-        its share of the worker's packed call, or a call of its own on the data channel;
-        cancelling it reaches the model."""
+    def stream(self, request: service_pb2.ModelInferRequest, timeout_s: float | None) -> AsyncIterator[StreamItem]:
+        """Each response of a streamed request with its arrival time, the last one final (``Replica.stream``):
+        on the worker's packed call, or on a call of its own; closing it early cancels the request."""
+        stub = self._service(_DATA)  # raises when the client is closed
         if self._packed is not None:
-            self._service(_DATA)  # raises when the client is closed
-            return self._packed.call(timeout_s)
-        return self._service(_DATA).ModelStreamInfer(timeout=timeout_s, metadata=self._call_metadata)
+            return self._packed.stream(request, timeout_s)
+        return call_responses(lambda: stub.ModelStreamInfer(timeout=timeout_s, metadata=self._call_metadata),
+                              request, self.address, self.map_error)
 
     def map_error(self, e: grpc.aio.AioRpcError) -> InferGateError:
         """A data-channel call's gRPC failure as the ``protos.errors`` class it means."""

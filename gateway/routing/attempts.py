@@ -7,7 +7,9 @@ the replica the router picks. Then, while the call lives:
 * an attempt that fails in a retryable way (:class:`AttemptFailed`: the worker
   answered UNAVAILABLE, its connection broke, it dropped the model) is retried
   on another replica after a jittered backoff, within ``retry_limit``, the
-  retry budget and the deadline (``gateway.routing.retry_budget``);
+  retry budget and the deadline (``gateway.routing.retry_budget``); a busy
+  refusal (a full queue) is retried only on a replica not tried yet, else its
+  words (and retry hint) go back;
 * an attempt the worker failed with INTERNAL is a *suspect*, charged to no
   one until one confirming attempt on another replica tells whether the
   failure is the worker's or the batch's (``gateway.routing.faults``).
@@ -17,9 +19,16 @@ the replica the router picks. Then, while the call lives:
   another replica; with hedging on, one also starts after the hedge delay
   (both thresholds: ``gateway.routing.hedging``).
 
-The first answer wins and the attempts still running are cancelled. Extra
-attempts each hold a retry-budget token while they run. Inference is
-idempotent, so a batch run twice is harmless; the call returns one response.
+The first answer wins and the attempts still running are cancelled (an
+answer that lost the race is handed to ``discard``). Extra attempts each hold
+a retry-budget token while they run. Inference is idempotent, so a batch run
+twice is harmless; the call returns one response.
+
+A stream's race is the same race with ``speculative=False``: its attempt
+ends at the stream's first response, so retries, the budget and the outlier
+verdicts apply alike, but nothing is hedged and no hang threshold runs (a
+stream's first response may take any time a model needs, and a stream must
+not run twice); its time to first response is no latency sample.
 
 The first attempt runs inline in the caller's task, with a timer for its
 thresholds: a call that needs no second attempt -- nearly all of them --
@@ -61,15 +70,17 @@ class AttemptFailed(Exception):
     replica left the model's rotation (it unloads the model, or its server is
     stopping), so the retry moves the batch off a replica that is going and is
     granted whatever the retry budget (each such failure takes its replica out).
+    ``busy``: the replica refused for load (its queue is full).
     """
 
     def __init__(self, error: InferGateError, *, worker_fault: bool = True, suspect: bool = False,
-                 failover: bool = False) -> None:
+                 failover: bool = False, busy: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
-        self.worker_fault = worker_fault and not suspect and not failover
+        self.worker_fault = worker_fault and not suspect and not failover and not busy
         self.suspect = suspect
         self.failover = failover
+        self.busy = busy  # a refusal for load: retried only on a replica not tried yet
 
 
 @dataclass(slots=True, eq=False)
@@ -93,7 +104,9 @@ class AttemptRace(Generic[_W, _R]):
     slot, preferring ones not in ``avoid``; ``try_pick(avoid)`` returns one
     outside ``avoid`` at once, or None; ``send(worker)`` makes one attempt,
     raising ``AttemptFailed`` for retryable failures and any other
-    ``InferGateError`` for final ones.
+    ``InferGateError`` for final ones. ``speculative=False`` (a stream): no
+    hedges, no hang threshold, no latency samples; ``discard(response)``
+    releases an answer that lost the race.
     """
 
     def __init__(
@@ -106,6 +119,8 @@ class AttemptRace(Generic[_W, _R]):
         try_pick: Callable[[set[_W]], _W | None],
         send: Callable[[_W], Awaitable[_R]],
         rows: int = 1,
+        speculative: bool = True,
+        discard: Callable[[_R], Awaitable[None]] | None = None,
     ) -> None:
         self._policy = policy
         self._rows = rows  # the batch's rows: latencies are judged at the same batch size
@@ -114,12 +129,15 @@ class AttemptRace(Generic[_W, _R]):
         self._acquire = acquire
         self._try_pick = try_pick
         self._send = send
+        self._speculative = speculative
+        self._discard = discard
         self._pending: dict[asyncio.Task[_R], _Attempt[_W]] = {}
         self._tried: set[_W] = set()
         self._failures = 0
         self._last_failed: _W | None = None
         self._last_error: InferGateError | None = None
         self._last_failover = False
+        self._last_busy = False
         # Suspect failures (INTERNAL) awaiting their confirming attempt.
         self._suspects: SuspectFailures[_W] = SuspectFailures(model, policy.outliers)
         # While the first attempt runs inline: it, the caller's task, its timer, and a winner.
@@ -271,6 +289,9 @@ class AttemptRace(Generic[_W, _R]):
             if self._suspects and replica in self._tried:
                 # No other replica to confirm on: answer the failure with its cause, charge no one.
                 raise self._suspects.cause
+            if self._last_busy and replica in self._tried and error is not None:
+                # Every replica refused for load: its words and retry hint go back, not a retry into the queue.
+                raise error
             if self._deadline is not None and policy.clock.now() >= self._deadline:
                 raise DeadlineExceeded(f"deadline exceeded for model '{model}' after {failures} failed attempts")
         except BaseException:
@@ -283,7 +304,7 @@ class AttemptRace(Generic[_W, _R]):
     def _attempt(self, worker: _W, *, extra: bool) -> _Attempt[_W]:
         policy, now = self._policy, self._policy.clock.now()
         trial = policy.outliers.attempt_started(worker.address)
-        hang, hedge = policy.thresholds(self._model)
+        hang, hedge = policy.thresholds(self._model) if self._speculative else (None, None)
         if hedge is not None and len(self._pending) + (self._inline is not None) >= policy.hedge.max_extra_attempts:
             hedge = None  # no hedge of a hedge
         beside = policy.attempts_running
@@ -323,9 +344,11 @@ class AttemptRace(Generic[_W, _R]):
             policy.outliers.abandoned(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows,
                                       beside=attempt.beside)
         elif error is None:
-            policy.outliers.succeeded(address, self._model, elapsed, attempt.trial, queued=attempt.load, rows=self._rows,
-                                      beside=attempt.beside)
-            policy.latency.observe(self._model, elapsed)
+            latency_s = elapsed if self._speculative else None  # a stream's first response: no sample
+            policy.outliers.succeeded(address, self._model, latency_s, attempt.trial, queued=attempt.load,
+                                      rows=self._rows, beside=attempt.beside)
+            if latency_s is not None:
+                policy.latency.observe(self._model, latency_s)
             self._suspects.served_by(attempt.worker)
         elif isinstance(error, AttemptFailed):
             if error.worker_fault:
@@ -335,6 +358,7 @@ class AttemptRace(Generic[_W, _R]):
             self._failures += 1
             self._tried.add(attempt.worker)
             self._last_failed, self._last_error, self._last_failover = attempt.worker, error.error, error.failover
+            self._last_busy = error.busy
             if error.suspect:
                 self._suspects.add(attempt.worker, error.error)
         else:  # the request's own fault or its deadline: says nothing about the worker
@@ -390,3 +414,5 @@ class AttemptRace(Generic[_W, _R]):
             else:
                 error = task.exception()
                 self._give_verdict(attempt, error, cancelled=error is None)
+                if error is None and self._discard is not None:
+                    await self._discard(task.result())

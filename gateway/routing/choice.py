@@ -14,7 +14,7 @@ a handful of candidates, the better of two random ones (power of two
 choices).
 
 :class:`LocalFirst` wraps another policy where the gateway runs models
-itself (``gateway.fleet.local_replica``): the in-process replica takes a
+itself (``gateway.replicas.local``): the in-process replica takes a
 batch while it has a free execution slot (no hop, no copy), the others take
 the rest by the wrapped policy.
 """

@@ -200,9 +200,10 @@ class OutlierDetector:
             return True
         return False
 
-    def succeeded(self, address: str, model: str, latency_s: float, trial: bool = False, *,
+    def succeeded(self, address: str, model: str, latency_s: float | None, trial: bool = False, *,
                   queued: float = 0.0, rows: int = 1, beside: int = 0) -> None:
-        """``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its
+        """``latency_s``: None for an attempt whose time is no latency sample (a stream's first response);
+        ``queued``: the executions the attempt waited out on its worker before its own; ``rows``: its
         batch's; ``beside``: the other attempts running in the gateway when it started."""
         circuit = self._circuit(address)
         if trial:
@@ -216,7 +217,8 @@ class OutlierDetector:
         elif circuit.state is CircuitState.OPEN:
             return
         circuit.consecutive_failures = 0
-        self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows, beside))
+        if latency_s is not None:
+            self._observe_latency(circuit, model, latency_s, load_bucket(queued, rows, beside))
 
     def failed(self, address: str, reason: str, trial: bool = False) -> None:
         circuit = self._circuit(address)

@@ -1,4 +1,12 @@
-"""The router: sends each batch to one healthy replica of its model.
+"""The router: sends each batch, and each streamed request, to one healthy replica of its model.
+
+One path for both (as Ray Serve's router assigns streaming and unary
+requests alike): the same replica choice, the same race of attempts
+(``gateway.routing.attempts``), one retry rule (retry only before the first
+response: a batch has one, a stream's first opens it), one retry budget and
+one outlier detector. A try on the chosen replica, and the judgement of its
+failure, is ``gateway.routing.tries``'; a stream is not hedged
+(``Router.stream``).
 
 Choice: the candidates are the READY replicas below their in-flight bound
 (``gateway.routing.capacity``: the bounds, and the per-model
@@ -37,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +53,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.seams import Clock, LoopClock, NotSent
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
-from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerUnreachable
+from gateway.replicas.replica import StreamItem
 from gateway.routing.attempts import AttemptFailed, AttemptRace
 from gateway.routing.capacity import InflightBounds, ModelCapacity, WorkerCounters
 from gateway.routing.choice import LeastLoaded, ReplicaChooser
@@ -54,14 +62,13 @@ from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.outlier_trials import ReturnTrials
 from gateway.routing.retry_budget import Backoff, RetryBudget
+from gateway.routing.tries import MAX_CALL_TIMEOUT_S, OpenStream, Tries, rows_of
 from gateway.settings import HedgeSettings
-from protos import wire
-from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
+from protos.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
 
-# The longest timeout one worker call is given; the request's own deadline still holds.
-MAX_CALL_TIMEOUT_S = 86_400.0
+__all__ = ["MAX_CALL_TIMEOUT_S", "Router"]
 
 
 class Router:
@@ -104,6 +111,7 @@ class Router:
         backoff = Backoff(retry_backoff_s, max(retry_backoff_s, retry_backoff_max_s), self._rng)
         self.attempts = AttemptPolicy(self.outliers, self.retry_budget, backoff, self.latency,
                                       hedging or HedgeSettings(), retry_limit, self._clock)
+        self.tries = Tries(cluster, self.bounds, self.outliers, self._clock, self._slot_freed)
         # model -> version -> capacity; "" is the model's any-version capacity.
         self._capacities: dict[str, dict[str, ModelCapacity]] = {}
         # Replicas going up or down change every model's capacity (and reset a returning worker's circuit).
@@ -186,38 +194,50 @@ class Router:
                 return worker
             return await self._acquire(model, version, deadline, avoid)
 
+        tries = self.tries
         race: AttemptRace[WorkerState, service_pb2.ModelInferResponse] = AttemptRace(
             self.attempts, model, deadline,
             acquire=acquire,
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
-            send=lambda worker: self._attempt(worker, model, version, request, deadline, slot_taken),
-            rows=_rows(request),
+            send=lambda worker: tries.infer(worker, model, version, request, deadline, slot_taken),
+            rows=rows_of(request),
         )
         try:
             return await race.run()
         finally:
             slot_taken()
 
+    async def stream(
+        self, model: str, version: str, request: service_pb2.ModelInferRequest, deadline: float | None,
+    ) -> AsyncIterator[StreamItem]:
+        """Each response of a streamed request with its arrival time, the last one final; close it when done.
+
+        The race runs until a replica sends the first response (retried, budgeted
+        and judged as a batch's attempts are, never hedged); the rest comes from
+        that replica, which holds a slot until the stream ends.
+        """
+        tries = self.tries
+        race: AttemptRace[WorkerState, OpenStream] = AttemptRace(
+            self.attempts, model, deadline,
+            acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
+            try_pick=lambda avoid: None,
+            send=lambda worker: tries.open_stream(worker, model, version, request, deadline),
+            speculative=False,
+            discard=OpenStream.close,
+        )
+        opened = await race.run()
+        try:
+            yield opened.first
+            async for item in opened.rest():
+                yield item
+        finally:
+            await opened.close()
+
     async def acquire(self, model: str, version: str, deadline: float | None,
                       avoid: set[WorkerState] | None = None) -> WorkerState:
-        """A replica for a new stateful sequence or stream: the chooser's pick among those with a
-        free slot (waits within the deadline); one outside ``avoid`` while any is healthy."""
+        """A replica for a new stateful sequence: the chooser's pick among those with a free slot
+        (waits within the deadline); one outside ``avoid`` while any is healthy."""
         return await self._acquire(model, version, deadline, set(avoid) if avoid else set())
-
-    @contextmanager
-    def holding(self, worker: WorkerState, model: str = "") -> Iterator[None]:
-        """A call that is no batch (a stream) counts as in flight on ``worker`` while it lasts; a stream of
-        a model that batches its own sequences counts against its ``max_sequences`` (``InflightBounds``)."""
-        worker.inflight += 1
-        worker.sent += 1
-        sequence = bool(model) and self.bounds.stream_started(worker, model)
-        try:
-            yield
-        finally:
-            worker.inflight -= 1
-            if sequence:
-                self.bounds.stream_ended(worker, model)
-            self._slot_freed(worker)
 
     async def send_to(
         self, worker: WorkerState, model: str, version: str, request: service_pb2.ModelInferRequest,
@@ -225,57 +245,9 @@ class Router:
     ) -> service_pb2.ModelInferResponse:
         """``request`` on ``worker`` and nowhere else (a sequence's state lives there): no retry, no hedge."""
         try:
-            return await self._attempt(worker, model, version, request, deadline)
+            return await self.tries.infer(worker, model, version, request, deadline)
         except AttemptFailed as e:
             raise e.error from None
-
-    async def _attempt(
-        self, worker: WorkerState, model: str, version: str, request: service_pb2.ModelInferRequest,
-        deadline: float | None, slot_taken: Callable[[], None] | None = None,
-    ) -> service_pb2.ModelInferResponse:
-        """One call on ``worker``: ``AttemptFailed`` when another replica may serve it, else the error as is."""
-        timeout_s = self._remaining(deadline)
-        if timeout_s is not None and timeout_s <= 0:
-            raise DeadlineExceeded(f"deadline exceeded before model '{model}' was sent to a worker")
-        if timeout_s is not None:
-            # gRPC takes a far-off deadline (a client's `timeout` of years) as already passed.
-            timeout_s = min(timeout_s, MAX_CALL_TIMEOUT_S)
-        # The slot is held from here to the `finally`: inflight never leaks,
-        # even when the attempt is cancelled mid-call.
-        worker.inflight += 1
-        worker.sent += 1
-        if slot_taken is not None:
-            slot_taken()
-        try:
-            started = self.row_costs.timer()
-            response = await worker.client.infer(request, timeout_s)
-            self.row_costs.observe(model, self.row_costs.timer() - started, _rows(request))
-            return response
-        except WorkerBusy as e:
-            # A full queue is load, not a sick worker: another replica may have room.
-            raise AttemptFailed(e, worker_fault=False) from None
-        except Unavailable as e:
-            worker.failures += 1
-            if isinstance(e, WorkerUnreachable):
-                self.cluster.mark_down(worker, str(e))
-            elif isinstance(e, ModelNotReady):
-                self.cluster.model_gone(worker, model, str(e))
-                raise AttemptFailed(e, failover=True) from None  # one model going, not a sick worker
-            raise AttemptFailed(e) from None
-        except ModelNotFound as e:
-            worker.failures += 1
-            self.cluster.model_gone(worker, model, str(e))
-            if not any(w is not worker for w in self.cluster.healthy(model, version)):
-                raise
-            raise AttemptFailed(e, failover=True) from None
-        except Internal as e:
-            # The worker's fault or the batch's: a confirming attempt elsewhere tells (gateway.routing.attempts).
-            raise AttemptFailed(e, suspect=True) from None
-        except InferGateError:
-            raise  # the request's own fault, or its deadline: nothing against the worker
-        finally:
-            worker.inflight -= 1
-            self._slot_freed(worker)
 
     def _remaining(self, deadline: float | None) -> float | None:
         return None if deadline is None else deadline - self._clock.now()
@@ -397,9 +369,3 @@ class Router:
         for by_version in self._capacities.values():
             for cap in by_version.values():
                 cap.wake()
-
-
-def _rows(request: service_pb2.ModelInferRequest | wire.RawInferRequest) -> int:
-    """The rows of a batch: its first input's first dimension (1 when it has none)."""
-    inputs = (request.header if isinstance(request, wire.RawInferRequest) else request).inputs
-    return inputs[0].shape[0] if inputs and inputs[0].shape else 1

@@ -6,7 +6,7 @@ interceptor; ``tls`` builds the TLS material of frontends and worker
 channels; ``setup`` puts the parts together from the config and the
 command line.
 
-May import: ``gateway.config``, ``gateway.fleet.worker_client``,
+May import: ``gateway.config``, ``gateway.replicas.worker_client``,
 ``gateway.frontends.http_errors`` (the one error answer), ``protos``. Every call
 passes the access check before it reaches a frontend's handler.
 """

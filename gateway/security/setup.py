@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.fleet.worker_client import WorkerClient
+from gateway.replicas.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
 from gateway.security.tls import grpc_channel_credentials, grpc_server_credentials, server_ssl_context

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from gateway.fleet.worker_client import WorkerClient
+from gateway.replicas.worker_client import WorkerClient
 
 pytestmark = pytest.mark.timeout(60)
 

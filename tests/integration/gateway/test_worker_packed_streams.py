@@ -1,7 +1,7 @@
 """The gateway's streamed requests to an infergate worker on one packed call
-(``gateway.fleet.worker_packed_streams``), against real workers on 127.0.0.1.
+(``gateway.replicas.packed_streams``), against real workers on 127.0.0.1.
 
-Checked through ``stream_responses``, as the gateway streams: concurrent
+Checked through ``WorkerClient.stream``, as the gateway streams: concurrent
 streams share one call and each gets its own responses in order; the model
 sees each request's own id and parameters (ids clients repeat included),
 not the call's key; a stream
@@ -21,13 +21,12 @@ from collections.abc import Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.stream_call import stream_responses
-from gateway.fleet.worker_client import WorkerClient, WorkerUnreachable
+from gateway.replicas.worker_client import WorkerClient
+from gateway.replicas.errors import WorkerUnreachable
 from protos.errors import DeadlineExceeded
 from tests.harness import Proc, start_worker, worker_url
 from tests.integration.gateway.stream_clients import metric
@@ -98,7 +97,7 @@ def counting_opens(client: WorkerClient) -> list[int]:
 async def values(client: WorkerClient, request: service_pb2.ModelInferRequest, timeout_s: float | None = 30,
                  stop_after: int | None = None) -> list[int]:
     got: list[int] = []
-    async with aclosing(stream_responses(client, request, timeout_s)) as responses:
+    async with aclosing(client.stream(request, timeout_s)) as responses:
         async for response, _ in responses:
             if response.raw_output_contents:
                 got.append(struct.unpack("<i", response.raw_output_contents[0])[0])
@@ -146,7 +145,7 @@ async def test_the_model_sees_its_clients_id_and_parameters_not_the_calls_key(wo
         request.raw_input_contents.append(np.array([n], np.int32).tobytes())
         request.parameters["note"].string_param = f"n={n}"
         answers = []
-        async with aclosing(stream_responses(client, request, 30)) as responses:
+        async with aclosing(client.stream(request, 30)) as responses:
             async for response, _ in responses:
                 if response.raw_output_contents:
                     raw = response.raw_output_contents[0]
@@ -188,7 +187,7 @@ async def test_a_killed_worker_fails_its_streams_as_unreachable_and_the_next_ope
         firsts: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
 
         async def long(i: int) -> None:
-            async with aclosing(stream_responses(client, repeat(f"long-{i}", list(range(200)), 50), 60)) as rs:
+            async with aclosing(client.stream(repeat(f"long-{i}", list(range(200)), 50), 60)) as rs:
                 async for _ in rs:
                     firsts[i].set()
 
@@ -211,10 +210,13 @@ def test_a_call_of_its_own_per_stream_when_asked(worker: Proc) -> None:
 
     async def run() -> None:
         try:
-            call = client.stream_call(5)
-            assert isinstance(call, grpc.aio.StreamStreamCall)
-            call.cancel()
+            opened = []
+            stub = client._service()
+            own_call = stub.ModelStreamInfer
+            stub.ModelStreamInfer = lambda **kw: opened.append(1) or own_call(**kw)  # type: ignore[method-assign]
             assert await values(client, repeat("own", [3, 4], 0)) == [3, 4]
+            assert await values(client, repeat("own", [5], 0)) == [5]
+            assert len(opened) == 2 and client._packed is None  # one call a request
         finally:
             await client.close()
 

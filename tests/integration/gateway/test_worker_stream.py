@@ -1,6 +1,6 @@
 """``worker_calls: stream``: the gateway's inference calls to an infergate
 worker as messages of one ``ModelStreamInfer`` per worker, with the unary
-call's behaviour kept (gateway.fleet.worker_stream).
+call's behaviour kept (gateway.replicas.unary_stream).
 
 Against real workers on 127.0.0.1: many concurrent calls share one stream and
 answer what unary calls answer; an in-stream error becomes the worker's own
@@ -23,7 +23,8 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from gateway.fleet.worker_client import WorkerClient, WorkerUnreachable
+from gateway.replicas.worker_client import WorkerClient
+from gateway.replicas.errors import WorkerUnreachable
 from protos.errors import DeadlineExceeded, InvalidArgument
 from tests.harness import Proc, start, start_worker, worker_url
 from tests.integration.gateway.e2e_cluster import grpc_url

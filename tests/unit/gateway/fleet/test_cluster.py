@@ -12,7 +12,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.fleet.cluster import Cluster, WorkerStatus
-from gateway.fleet.worker_client import WorkerUnreachable
+from gateway.replicas.errors import WorkerUnreachable
 from gateway.settings import WorkerSpec
 from protos.errors import InferGateError, ModelNotFound
 

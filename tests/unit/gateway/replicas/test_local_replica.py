@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.local_replica import LocalOptions, LocalReplica
-from gateway.fleet.stream_call import ModelStreamError, is_final, stream_responses
+from gateway.replicas.local import LocalOptions, LocalReplica
+from gateway.replicas.errors import ModelStreamError
+from protos.triton_words import is_final
 from models.build import EXAMPLE_MODELS, build_repository
 from models.python_models import build_python_models
 from protos import codec
@@ -54,14 +55,14 @@ async def test_a_decoupled_model_streams_in_process(replica: LocalReplica) -> No
     request = service_pb2.ModelInferRequest(model_name="square_int32", id="s1")
     request.inputs.add(name="IN", datatype="INT32", shape=[1])
     request.raw_input_contents.append(np.array([3], np.int32).tobytes())
-    async with aclosing(stream_responses(replica, request, 10.0)) as responses:
+    async with aclosing(replica.stream(request, 10.0)) as responses:
         got = [(r.id, is_final(r), [codec.decode(o.datatype, list(o.shape), raw).tolist()
                                     for o, raw in zip(r.outputs, r.raw_output_contents)]) for r, _ in
                [item async for item in responses]]
     assert got == [("s1", False, [[3]])] * 3 + [("s1", True, [])]
     bad = service_pb2.ModelInferRequest(model_name="nope", id="s2")
     with pytest.raises(ModelStreamError, match="unknown model"):
-        async with aclosing(stream_responses(replica, bad, 10.0)) as responses:
+        async with aclosing(replica.stream(bad, 10.0)) as responses:
             [item async for item in responses]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.fleet.worker_client import ModelNotReady, WorkerBusy, WorkerClient, WorkerUnreachable
+from gateway.replicas.worker_client import WorkerClient
+from gateway.replicas.errors import ModelNotReady, WorkerBusy, WorkerUnreachable
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from tests.unit.gateway.routing.test_router import request
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.worker_client import ModelNotReady
+from gateway.replicas.errors import ModelNotReady
 from gateway.routing.hedging import LatencyTracker
 from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.retry_budget import RetryBudget

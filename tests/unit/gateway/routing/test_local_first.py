@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gateway.composition import build_router
 from gateway.fleet.cluster import Cluster, WorkerState
-from gateway.fleet.local_replica import LOCAL_SPEC
+from gateway.replicas.local import LOCAL_SPEC
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import LeastLoaded, LocalFirst
 from gateway.routing.prefix import PrefixAffinity

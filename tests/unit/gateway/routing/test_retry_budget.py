@@ -11,7 +11,7 @@ import random
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.fleet.worker_client import ModelNotReady
+from gateway.replicas.errors import ModelNotReady
 from gateway.routing.retry_budget import Backoff, RetryBudget
 from gateway.routing.router import Router
 from gateway.settings import RetrySettings

@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.seams import NotSent
 from gateway.fleet.cluster import Cluster, WorkerStatus
-from gateway.fleet.worker_client import WorkerBusy, WorkerUnreachable
+from gateway.replicas.errors import WorkerBusy, WorkerUnreachable
 from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.router import Router
 from gateway.settings import OutlierSettings

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.fleet.cluster import WorkerStatus
-from gateway.fleet.worker_client import WorkerBusy
+from gateway.replicas.errors import WorkerBusy
 from gateway.routing.router import Router
 from gateway.routing.streams import StreamRouting
 from tests.unit.gateway.routing.test_router import started

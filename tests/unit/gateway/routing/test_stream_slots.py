@@ -46,7 +46,7 @@ async def settle() -> None:
 async def stream(router: Router, done: asyncio.Event, model: str = "m") -> WorkerState:
     """A stream as gateway/routing/streams.py runs one: acquire, hold until ``done``."""
     worker = await router.acquire(model, "", None)
-    with router.holding(worker, model):  # taken at once, as the stream path does
+    with router.tries.holding(worker, model):  # taken at once, as the stream path does
         await done.wait()
     return worker
 
@@ -58,7 +58,7 @@ async def test_waiting_calls_take_freed_slots_in_arrival_order() -> None:
     served: list[int] = []
     ends = [asyncio.Event() for _ in range(4)]
     try:
-        with router.holding(worker):
+        with router.tries.holding(worker):
             tasks = []
             for i in range(4):
                 tasks.append(asyncio.create_task(stream(router, ends[i])))
@@ -83,7 +83,7 @@ async def test_a_new_call_does_not_take_a_slot_freed_for_the_line() -> None:
     (worker,) = cluster.workers()
     first_done, late_done = asyncio.Event(), asyncio.Event()
     try:
-        with router.holding(worker):
+        with router.tries.holding(worker):
             first = asyncio.create_task(stream(router, first_done))
             await settle()
         # The slot is free now, but the first in line has not run yet: a newcomer queues behind it.
@@ -107,7 +107,7 @@ async def test_the_head_leaving_at_its_deadline_passes_the_turn_on() -> None:
     router = Router(cluster, max_inflight_per_replica=1, clock=clock)
     (worker,) = cluster.workers()
     try:
-        with router.holding(worker):
+        with router.tries.holding(worker):
             head = asyncio.create_task(router.acquire("m", "", clock.t + 0.001))
             await settle()
             second = asyncio.create_task(router.acquire("m", "", None))
@@ -129,7 +129,7 @@ async def test_a_cancelled_waiter_leaves_the_line() -> None:
     router = Router(cluster, max_inflight_per_replica=1)
     (worker,) = cluster.workers()
     try:
-        with router.holding(worker):
+        with router.tries.holding(worker):
             tasks = []
             for _ in range(3):
                 tasks.append(asyncio.create_task(router.acquire("m", "", None)))
@@ -155,7 +155,7 @@ async def test_a_generating_model_takes_max_sequences_streams_per_replica() -> N
         held = []
         for _ in range(4):
             w = await router.acquire("m", "", None)
-            ctx = router.holding(w, "m")
+            ctx = router.tries.holding(w, "m")
             ctx.__enter__()
             held.append(ctx)
         fifth = asyncio.create_task(router.acquire("m", "", None))
@@ -181,11 +181,11 @@ async def test_streams_of_a_generating_model_leave_other_models_room() -> None:
     worker.models["other"] = other
     generating(worker, "m", sequences=8)
     try:
-        with router.holding(worker, "m"), router.holding(worker, "m"):
+        with router.tries.holding(worker, "m"), router.tries.holding(worker, "m"):
             assert worker.inflight == 2  # drain and shutdown still see them
             assert router.bounds.held(worker, "other") == 0
             assert router.bounds.below([worker], "other") == [worker]
-            with router.holding(worker, "other"):
+            with router.tries.holding(worker, "other"):
                 assert router.bounds.held(worker, "other") == 1
                 assert router.bounds.below([worker], "other") == []
                 assert router.bounds.held(worker, "m") == 2
@@ -210,15 +210,15 @@ async def test_a_retry_waiting_for_an_untried_replica_does_not_hold_back_the_lin
     router = Router(cluster, max_inflight_per_replica=1)
     a, b = cluster.workers()
     try:
-        with router.holding(b):
-            with router.holding(a):
+        with router.tries.holding(b):
+            with router.tries.holding(a):
                 retry = asyncio.create_task(router.acquire("m", "", None, {a}))  # a failed it: it waits for b
                 await settle()
                 fresh = asyncio.create_task(router.acquire("m", "", None))
                 await settle()
             await settle()
             assert fresh.done() and fresh.result() is a and not retry.done()
-            with router.holding(a):
+            with router.tries.holding(a):
                 pass
         await settle()
         assert retry.done() and retry.result() is b

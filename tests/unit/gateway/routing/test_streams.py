@@ -1,4 +1,4 @@
-"""Tests for gateway/routing/streams.py and gateway/fleet/stream_call.py: one streamed
+"""Tests for gateway/routing/streams.py (Router.stream) and gateway/replicas/grpc_stream.py: one streamed
 request on one replica, held in flight while it lasts, retried elsewhere only before its
 first response. The cluster is real; its workers are in-process fakes with scripted calls.
 """
@@ -13,11 +13,13 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import WorkerStatus
-from gateway.fleet.stream_call import EMPTY_FINAL, FINAL_RESPONSE, ModelStreamError
-from gateway.fleet.worker_client import WorkerUnreachable
+from gateway.replicas.errors import ModelStreamError, WorkerUnreachable
+from gateway.replicas.grpc_stream import call_responses
+from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL
+from protos.triton_words import FINAL_RESPONSE
 from gateway.routing.router import Router
 from gateway.routing.streams import StreamLost, StreamRouting
-from protos.errors import InferGateError, from_grpc_code
+from protos.errors import InferGateError, InvalidArgument, from_grpc_code
 from tests.unit.gateway.routing.test_router import started
 
 
@@ -70,18 +72,18 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 def streaming(fake: object, calls: list[FakeCall]) -> None:
-    """Give a FakeWorker the two members a streamed call needs."""
-
-    def stream_call(timeout_s: float | None) -> FakeCall:
-        return calls.pop(0)
+    """Give a FakeWorker the replica's ``stream``: each request on the next scripted call, read
+    as the worker client reads a call of its own."""
 
     def map_error(e: grpc.aio.AioRpcError) -> InferGateError:
         if e.code() is grpc.StatusCode.UNAVAILABLE:
             return WorkerUnreachable(f"worker {fake.address} unreachable: {e.details()}")  # type: ignore[attr-defined]
         return from_grpc_code(e.code(), e.details() or "")
 
-    fake.stream_call = stream_call  # type: ignore[attr-defined]
-    fake.map_error = map_error  # type: ignore[attr-defined]
+    def stream(request: service_pb2.ModelInferRequest, timeout_s: float | None) -> object:
+        return call_responses(lambda: calls.pop(0), request, fake.address, map_error)  # type: ignore[attr-defined]
+
+    fake.stream = stream  # type: ignore[attr-defined]
 
 
 def request() -> service_pb2.ModelInferRequest:
@@ -157,16 +159,32 @@ async def test_a_worker_lost_mid_stream_ends_the_stream_naming_it_and_the_respon
         await cluster.stop()
 
 
-async def test_an_in_stream_error_ends_the_request_and_is_not_retried() -> None:
+async def test_an_in_stream_error_before_the_first_response_is_judged_as_a_batch_internal_is() -> None:
+    # A suspect, as a batch's INTERNAL: one confirming try on another replica; the same words
+    # there make it the request's fault (400), charged to no one.
     cluster, fleet = await started("a:1", "b:1")
     streaming(fleet["a:1"], [FakeCall([reply(-1, error="input 'IN' is negative")])])
     streaming(fleet["b:1"], [FakeCall([reply(-1, error="input 'IN' is negative")])])
     routing = StreamRouting(Router(cluster))
     try:
+        with pytest.raises(InvalidArgument, match="is negative .the same failure on 2 replicas"):
+            await collect(routing)
+        assert sum(w.sent for w in cluster.workers()) == 2
+        assert sum(w.failures for w in cluster.workers()) == 0
+        assert all(w.state is WorkerStatus.READY for w in cluster.workers())
+    finally:
+        await cluster.stop()
+
+
+async def test_an_in_stream_error_on_the_only_replica_goes_back_in_its_words() -> None:
+    cluster, fleet = await started("a:1")
+    streaming(fleet["a:1"], [FakeCall([reply(-1, error="input 'IN' is negative")])])
+    routing = StreamRouting(Router(cluster))
+    try:
         with pytest.raises(ModelStreamError, match="is negative"):
             await collect(routing)
-        assert sum(w.sent for w in cluster.workers()) == 1
-        assert all(w.state is WorkerStatus.READY for w in cluster.workers())
+        (worker,) = cluster.workers()
+        assert worker.sent == 1 and worker.failures == 0 and worker.state is WorkerStatus.READY
     finally:
         await cluster.stop()
 
