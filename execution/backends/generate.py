@@ -23,17 +23,30 @@ Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 ``max_cache_bytes`` (KV cache they may reserve, default 64 MiB),
 ``max_batch_sequences`` (sequences in one step; 1 = one at a time, for
 comparison; default all), ``max_positions`` (the model's context).
+
+A Hugging Face decoder as ``optimum`` exports it is served with no
+``config.pbtxt`` (``execution.backends.hf_export``): its step has the
+export's names (``past_key_values.N.key``, ``present.N.key``), its
+:class:`Vocabulary` is the model's own tokenizer and chat template
+(``execution.backends.hf_tokenizer``), its stop tokens and defaults come
+from ``generation_config.json``. Text goes out as the tokenizer's
+incremental decode (each response the whole characters a token completed),
+the request parameter ``logprobs`` (0 to 20) adds each token's log
+probability and its most likely alternatives as the response parameter
+``logprobs`` (JSON: ``token``, ``bytes``, ``logprob``, ``top_logprobs``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -46,8 +59,14 @@ from execution.backends.generate_scheduler import (
     Scheduler,
     SchedulerLimits,
     StepRow,
+    TokenLogprobs,
     TokenOut,
+    TokenText,
 )
+from execution.backends.hf_tokenizer import TokenInfo
+
+if TYPE_CHECKING:
+    from execution.backends.hf_tokenizer import HFText
 from execution.backends.run_errors import classify_run_error
 from execution.devices import cpu_count, cuda_device_count
 from protos.errors import InvalidArgument
@@ -62,6 +81,8 @@ _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
 RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
+MAX_LOGPROBS = 20
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,30 +117,55 @@ class DecoderStep:
     arrays (one copy, and the padding of earlier steps dropped).
     """
 
-    def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int) -> None:
+    def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int, *,
+                 pasts: Sequence[str] | None = None, presents: Sequence[str] | None = None,
+                 dtype: type[np.floating] = np.float32, position_ids: bool = True) -> None:  # fmt: skip
+        """``pasts``/``presents``: the cache's input and output names, key then value of each layer
+        (default the project's own ``past_key_<layer>``); ``heads``: the KV heads."""
         self._run = run
         self._model = model
         self._pad_id = pad_id
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self._pasts = [f"past_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
-        self._outputs = ["logits"] + [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
+        self._dtype = dtype
+        self._position_ids = position_ids
+        self._pasts = list(pasts) if pasts is not None else \
+            [f"past_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
+        self._outputs = ["logits"] + (list(presents) if presents is not None else
+                                      [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")])
 
     @classmethod
     def onnx(cls, session: ort.InferenceSession, model: str, pad_id: int) -> "DecoderStep":
         past = [i for i in session.get_inputs() if i.name.startswith("past_key_")]
-        run = session.run
+        return cls(_session_runner(session, model), model, pad_id, len(past), int(past[0].shape[1]), int(past[0].shape[3]))
 
-        def run_session(outputs: list[str], feeds: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
-            try:
-                return run(outputs, feeds)
-            except Exception as exc:  # ONNX Runtime's status exceptions
-                raise classify_run_error(exc, model) from None
+    @classmethod
+    def export(cls, session: ort.InferenceSession, model: str, pad_id: int, kv_heads: int,
+               head_dim: int) -> "DecoderStep":  # fmt: skip
+        """The step of a Hugging Face export: ``past_key_values.N.key`` [batch, kv_heads, past, head_dim] in,
+        ``present.N.key`` out; the head counts from config.json where the graph leaves them symbolic."""
+        from execution.backends.hf_export import cache_names
 
-        return cls(run_session, model, pad_id, len(past), int(past[0].shape[1]), int(past[0].shape[3]))
+        inputs = {i.name: i for i in session.get_inputs()}
+        layers, pasts, presents = cache_names(list(inputs), model)
+        missing = [n for n in ["logits", *presents] if n not in {o.name for o in session.get_outputs()}]
+        if missing or "input_ids" not in inputs or "attention_mask" not in inputs:
+            raise InvalidArgument(f"model '{model}': model.onnx is not a decoder with past (missing "
+                                  f"{missing or ['input_ids', 'attention_mask']})")
+        first = inputs[pasts[0]]
+        if len(first.shape) != 4:
+            raise InvalidArgument(f"model '{model}': cache input {first.name} is not [batch, heads, past, head_dim]")
+        heads = first.shape[1] if isinstance(first.shape[1], int) else kv_heads
+        dim = first.shape[3] if isinstance(first.shape[3], int) else head_dim
+        dtype = _DTYPES.get(first.type)
+        if not heads or not dim or dtype is None:
+            raise InvalidArgument(f"model '{model}': cannot tell the cache's heads, head size and type "
+                                  f"({first.name}: {first.type} {first.shape})")
+        return cls(_session_runner(session, model), model, pad_id, layers, int(heads), int(dim), pasts=pasts,
+                   presents=presents, dtype=dtype, position_ids="position_ids" in inputs)
 
     @property
     def cache_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.heads * self.head_dim * 4
+        return 2 * self.layers * self.heads * self.head_dim * np.dtype(self._dtype).itemsize
 
     def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
         first = rows[0].cache
@@ -136,8 +182,9 @@ class DecoderStep:
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.array([row.tokens for row in rows], dtype=np.int64),
             "attention_mask": mask,
-            "position_ids": np.array([[row.position] for row in rows], dtype=np.int64),
         }
+        if self._position_ids:
+            feeds["position_ids"] = np.array([[row.position] for row in rows], dtype=np.int64)
         feeds.update(zip(self._pasts, last.arrays))
         return self._step(feeds, mask, np.zeros(batch, dtype=np.int64))
 
@@ -154,7 +201,7 @@ class DecoderStep:
             ids[b, :len(row.tokens)] = row.tokens
         positions = np.where(real_new, starts[:, None] + columns[None, :], 0)
         mask = np.concatenate([np.arange(past)[None, :] < starts[:, None], real_new], axis=1).astype(np.int64)
-        pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=np.float32)
+        pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=self._dtype)
         for b, row in enumerate(rows):
             cache = row.cache
             if cache is None:
@@ -168,7 +215,9 @@ class DecoderStep:
                 real = slice(0, row.position)  # type: ignore[assignment]
             for k, array in enumerate(cache.step.arrays):
                 pasts[k, b, :, :row.position] = array[cache.index][:, real]
-        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask}
+        if self._position_ids:
+            feeds["position_ids"] = positions
         feeds.update(zip(self._pasts, pasts))
         return self._step(feeds, mask, lengths - 1)
 
@@ -177,7 +226,21 @@ class DecoderStep:
         logits, *presents = self._run(self._outputs, feeds)
         caches = _StepCaches(tuple(presents), mask)
         chosen = logits[np.arange(len(last)), last]  # [B, V]: each row's logits after its last new token (a copy)
+        if chosen.dtype != np.float32:
+            chosen = chosen.astype(np.float32)
         return [(chosen[b], RowCache(caches, b)) for b in range(len(last))]
+
+
+def _session_runner(session: ort.InferenceSession, model: str) -> RunStep:
+    run = session.run
+
+    def run_session(outputs: list[str], feeds: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
+        try:
+            return run(outputs, feeds)
+        except Exception as exc:  # ONNX Runtime's status exceptions
+            raise classify_run_error(exc, model) from None
+
+    return run_session
 
 
 def int_parameter(config: mc.ModelConfig, key: str, default: int) -> int:
@@ -208,20 +271,28 @@ def _as_bytes(value: object) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
-def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> SamplingParams:
-    """The request's generation settings, checked; inputs first, then parameters of the same names."""
-    max_tokens = int(_scalar(inputs, parameters, "max_tokens", int, 16))  # type: ignore[call-overload]
-    temperature = float(_scalar(inputs, parameters, "temperature", float, 0.0))  # type: ignore[arg-type]
-    top_p = float(_scalar(inputs, parameters, "top_p", float, 1.0))  # type: ignore[arg-type]
+def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                    defaults: SamplingParams = SamplingParams()) -> SamplingParams:  # fmt: skip
+    """The request's generation settings, checked; inputs first, then parameters of the same names,
+    then ``defaults`` (the model's)."""
+    max_tokens = int(_scalar(inputs, parameters, "max_tokens", int, defaults.max_tokens))  # type: ignore[call-overload]
+    temperature = float(_scalar(inputs, parameters, "temperature", float, defaults.temperature))  # type: ignore[arg-type]
+    top_p = float(_scalar(inputs, parameters, "top_p", float, defaults.top_p))  # type: ignore[arg-type]
+    top_k = int(_scalar(inputs, parameters, "top_k", int, defaults.top_k))  # type: ignore[call-overload]
     seed = int(_scalar(inputs, parameters, "seed", int, 0))  # type: ignore[call-overload]
+    logprobs = int(_scalar(inputs, parameters, "logprobs", int, -1))  # type: ignore[call-overload]
     if max_tokens < 0:
         raise InvalidArgument("max_tokens must be at least 0")
     if not 0.0 <= temperature <= 100.0:
         raise InvalidArgument("temperature must be between 0 and 100")
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgument("top_p must be in (0, 1]")
+    if top_k < 0:
+        raise InvalidArgument("top_k must be at least 0")
     if seed < 0:
         raise InvalidArgument("seed must be at least 0")
+    if not -1 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be from 0 to {MAX_LOGPROBS}")
     if "stop" in inputs:
         stop = tuple(_as_bytes(v) for v in inputs["stop"].reshape(-1))
     else:
@@ -230,17 +301,119 @@ def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, o
     ignore_eos = parameters.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidArgument("parameter 'ignore_eos' must be a bool")
-    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(s for s in stop if s), ignore_eos)
+    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(s for s in stop if s), ignore_eos, top_k,
+                          logprobs)
+
+
+class Vocabulary(Protocol):
+    """A model's tokens and text: prompt ids from a request's inputs, text from its tokens."""
+
+    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        """The prompt's token ids (raises InvalidArgument for a request it cannot read)."""
+        ...
+
+    def text_stream(self) -> TokenText:
+        """A new sequence's tokens -> its text's bytes."""
+        ...
+
+    def token_info(self, token: int) -> TokenInfo:
+        """A token's text and bytes, as log probabilities name it."""
+        ...
+
+
+def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> bytes:
+    values = inputs[name].reshape(-1)
+    if values.size != 1:
+        raise InvalidArgument(f"input '{name}' must hold one value")
+    return _as_bytes(values[0])
+
+
+class ByteVocabulary:
+    """The example decoders' vocabulary: ids 0-255 are bytes, a BOS before the prompt."""
+
+    def __init__(self, bos: int) -> None:
+        self._bos = bos
+
+    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        return ([self._bos] if self._bos >= 0 else []) + list(_one_text(inputs, "text_input"))
+
+    def text_stream(self) -> TokenText:
+        return _BYTES_TEXT
+
+    def token_info(self, token: int) -> TokenInfo:
+        data = _token_bytes(token)
+        return TokenInfo(data.decode("utf-8", errors="replace"), data)
+
+
+class _ByteText:
+    def feed(self, token: int) -> bytes:
+        return _token_bytes(token)
+
+    def flush(self) -> bytes:
+        return b""
+
+
+_BYTES_TEXT = _ByteText()
+
+
+class TokenizerVocabulary:
+    """A Hugging Face model's vocabulary: its tokenizer, and its chat template for ``messages``."""
+
+    def __init__(self, text: "HFText") -> None:
+        self.text = text
+
+    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        if "messages" in inputs:
+            if "text_input" in inputs:
+                raise InvalidArgument("send either 'text_input' (a prompt) or 'messages' (a chat), not both")
+            try:
+                messages = json.loads(_one_text(inputs, "messages"))
+            except ValueError as exc:
+                raise InvalidArgument(f"input 'messages' is not JSON: {exc}") from None
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise InvalidArgument("input 'messages' must be a JSON list of message objects")
+            return self.text.encode_chat(messages)
+        if "text_input" not in inputs:
+            raise InvalidArgument("the request needs 'text_input' (a prompt) or 'messages' (a chat)")
+        prompt = _one_text(inputs, "text_input")
+        try:
+            return self.text.encode(prompt.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidArgument("input 'text_input' is not UTF-8") from None
+
+    def text_stream(self) -> TokenText:
+        return self.text.detokenizer()
+
+    def token_info(self, token: int) -> TokenInfo:
+        return self.text.token_info(token)
+
+
+def logprobs_json(vocabulary: Vocabulary, logprobs: TokenLogprobs) -> str:
+    """A token's log probabilities as the response parameter ``logprobs`` carries them."""
+
+    def entry(token: int, logprob: float) -> dict[str, object]:
+        info = vocabulary.token_info(token)
+        return {"token": info.text, "bytes": list(info.data), "logprob": logprob}
+
+    doc = entry(logprobs.token, logprobs.logprob)
+    doc["top_logprobs"] = [entry(t, lp) for t, lp in logprobs.top]
+    return json.dumps(doc, ensure_ascii=False)
 
 
 class GenerateInstance:
     """One decoder session and the scheduler that batches every request sent to it."""
 
-    def __init__(self, step: DecoderStep, config: mc.ModelConfig, placement: Placement) -> None:
+    def __init__(self, step: DecoderStep, config: mc.ModelConfig, placement: Placement, *,
+                 vocabulary: Vocabulary | None = None, eos_ids: Sequence[int] | None = None,
+                 defaults: SamplingParams = SamplingParams()) -> None:  # fmt: skip
+        """``vocabulary``: the byte vocabulary (BOS from the config's parameters) unless given; ``eos_ids``:
+        the config's ``eos_token_id`` unless given; ``defaults``: what a request leaves out."""
         self.placement = placement
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{config.name}")
-        self._bos = int_parameter(config, "bos_token_id", -1)
-        eos = int_parameter(config, "eos_token_id", -1)
+        bos = int_parameter(config, "bos_token_id", -1)
+        self._vocabulary = vocabulary if vocabulary is not None else ByteVocabulary(bos)
+        self._defaults = defaults
+        eos = list(eos_ids) if eos_ids is not None else [int_parameter(config, "eos_token_id", -1)]
         limits = SchedulerLimits(
             max_sequences=int_parameter(config, "max_sequences", DEFAULT_MAX_SEQUENCES),
             max_cache_bytes=int_parameter(config, "max_cache_bytes", DEFAULT_MAX_CACHE_BYTES),
@@ -250,7 +423,9 @@ class GenerateInstance:
         )
         if limits.max_sequences < 1 or limits.max_cache_bytes < 1:
             raise InvalidArgument(f"model '{config.name}': max_sequences and max_cache_bytes must be positive")
-        banned = [t for t in (self._bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
+        # The byte vocabulary never generates its BOS or padding; a tokenizer's model may say what it likes.
+        banned = [] if vocabulary is not None else \
+            [t for t in (bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
         self.scheduler = Scheduler(config.name, limits, step, self._offload, eos_id=eos, banned=banned)
 
     async def _offload(self, call: Callable[[], list[tuple[np.ndarray, object]]]) -> list[tuple[np.ndarray, object]]:
@@ -264,23 +439,22 @@ class GenerateInstance:
 
     def start_decoupled(self, inputs: Mapping[str, np.ndarray], context: RequestContext,
                         emit: Callable[[StreamEvent], None], cancelled: threading.Event) -> asyncio.Future[None]:  # fmt: skip
-        text = inputs["text_input"].reshape(-1)
-        if text.size != 1:
-            raise InvalidArgument("input 'text_input' must hold one prompt")
-        prompt = ([self._bos] if self._bos >= 0 else []) + list(_as_bytes(text[0]))
-        params = sampling_params(inputs, context.parameters)
+        vocabulary = self._vocabulary
+        prompt = vocabulary.prompt_ids(inputs)
+        params = sampling_params(inputs, context.parameters, self._defaults)
 
         def send(out: TokenOut) -> None:
             if out.error is not None:
                 emit(StreamEvent({}, True, out.error))
             elif out.data is not None:
-                emit(StreamEvent({"text_output": np.array([out.data], dtype=np.object_)}, False))
+                extra = {} if out.logprobs is None else {"logprobs": logprobs_json(vocabulary, out.logprobs)}
+                emit(StreamEvent({"text_output": np.array([out.data], dtype=np.object_)}, False, parameters=extra))
             else:
                 emit(StreamEvent({}, True, parameters={"finish_reason": out.finish_reason or "stop",
                                                        "prompt_tokens": out.prompt_tokens,
                                                        "completion_tokens": out.completion_tokens}))
 
-        self.scheduler.admit(prompt, params, send, cancelled, _token_bytes)
+        self.scheduler.admit(prompt, params, send, cancelled, vocabulary.text_stream())
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)  # admitted: the instance may take the next request now
         return done
@@ -317,6 +491,10 @@ class GenerateBackend:
         return f"generation over ONNX decoder steps ({self._gpus} GPU(s), {self._threads} intra-op threads on the CPU)"
 
     def complete_config(self, config: mc.ModelConfig, version_dir: Path) -> mc.ModelConfig:
+        from execution.backends.hf_export import complete_export_config, is_decoder_export
+
+        if is_decoder_export(version_dir):
+            config = complete_export_config(config, version_dir)
         if not config.model_transaction_policy.decoupled:
             raise InvalidArgument(f"model '{config.name}': a generation model must be decoupled")
         if [i.name for i in config.input][:1] != ["text_input"] or "text_output" not in {o.name for o in config.output}:
@@ -339,11 +517,34 @@ class GenerateBackend:
             session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:
             raise InvalidArgument(f"ONNX Runtime cannot load {version_dir.name}/{path.name}: {exc}") from None
+        logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
+        from execution.backends.hf_export import is_decoder_export
+
+        if is_decoder_export(version_dir):
+            return self._load_export(session, version_dir, config, placement)
         if not any(i.name == "past_key_0" for i in session.get_inputs()):
             raise InvalidArgument(f"model '{config.name}': {path.name} is not a decoder step (no past_key_0 input)")
-        logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
         step = DecoderStep.onnx(session, config.name, int_parameter(config, "pad_token_id", 0))
         return GenerateInstance(step, config, placement)
+
+    @staticmethod
+    def _load_export(session: ort.InferenceSession, version_dir: Path, config: mc.ModelConfig,
+                     placement: Placement) -> GenerateInstance:  # fmt: skip
+        """A Hugging Face export: its step, tokenizer, stop tokens and defaults from its own files."""
+        from execution.backends.hf_export import read_export
+        from execution.backends.hf_tokenizer import HFText
+
+        settings = read_export(version_dir, config.name)
+        text = HFText(version_dir, config.name)
+        step = DecoderStep.export(session, config.name, settings.pad_id, settings.kv_heads, settings.head_dim)
+        eos = settings.eos_ids
+        if not eos and (token := text.special_tokens.get("eos_token")) is not None:
+            found = text.token_id(token)
+            eos = (found,) if found is not None else ()
+        logger.info("model %s: a Hugging Face export, %d layers of %d KV heads x %d, context %d, stop tokens %s",
+                    config.name, step.layers, step.heads, step.head_dim, settings.max_positions, list(eos))
+        return GenerateInstance(step, config, placement, vocabulary=TokenizerVocabulary(text), eos_ids=eos,
+                                defaults=settings.defaults)
 
     def close(self) -> None:
         pass

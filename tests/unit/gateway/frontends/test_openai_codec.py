@@ -110,7 +110,7 @@ def test_chat_prefers_max_completion_tokens_and_renders_the_prompt() -> None:
     ({"model": "lm", "prompt": "x", "stop": 3}, "stop"),
     ({"model": "lm", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "lm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": "lm", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "lm", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "lm", "prompt": "x", "echo": True}, "echo"),
     ({"model": "lm", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "lm", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
