@@ -4,9 +4,10 @@ with an explicit KV cache (``backend: "generate"``; the example ``tiny_lm``).
 Owns reading a request of the generation contract (``text_input``, optional
 ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, as inputs or,
 when an input is absent, request parameters of the same names; the request
-parameter ``ignore_eos`` makes a generation run to ``max_tokens``), the byte
-vocabulary (ids 0-255 are bytes; ``bos_token_id``, ``eos_token_id``,
-``pad_token_id`` from the config's ``parameters``), and running one padded
+parameter ``ignore_eos`` makes a generation run to ``max_tokens``), the
+model's vocabulary (``execution.backends.vocabulary``: the byte vocabulary
+with ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` from the config's
+``parameters``, or a Hugging Face model's tokenizer), and running one padded
 decoder step (:class:`DecoderStep`: ONNX Runtime here, a split decoder's shards on a gateway). Scheduling the
 steps is ``generate_scheduler``'s: each instance owns one :class:`Scheduler`,
 and every request of the instance joins its running batch. ONNX Runtime runs
@@ -30,23 +31,21 @@ export's names (``past_key_values.N.key``, ``present.N.key``), its
 :class:`Vocabulary` is the model's own tokenizer and chat template
 (``execution.backends.hf_tokenizer``), its stop tokens and defaults come
 from ``generation_config.json``. Text goes out as the tokenizer's
-incremental decode (each response the whole characters a token completed),
-the request parameter ``logprobs`` (0 to 20) adds each token's log
-probability and its most likely alternatives as the response parameter
-``logprobs`` (JSON: ``token``, ``bytes``, ``logprob``, ``top_logprobs``).
+incremental decode (each response the whole characters a token completed).
+For any model the request parameter ``logprobs`` (0 to 20) adds each
+token's log probability and its most likely alternatives as the response
+parameter ``logprobs``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -59,14 +58,9 @@ from execution.backends.generate_scheduler import (
     Scheduler,
     SchedulerLimits,
     StepRow,
-    TokenLogprobs,
     TokenOut,
-    TokenText,
 )
-from execution.backends.hf_tokenizer import TokenInfo
-
-if TYPE_CHECKING:
-    from execution.backends.hf_tokenizer import HFText
+from execution.backends.vocabulary import ByteVocabulary, Vocabulary, as_bytes, logprobs_json
 from execution.backends.run_errors import classify_run_error
 from execution.devices import cpu_count, cuda_device_count
 from protos.errors import InvalidArgument
@@ -267,10 +261,6 @@ def _scalar(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object], 
     return kind(value)
 
 
-def _as_bytes(value: object) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode("utf-8")
-
-
 def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object],
                     defaults: SamplingParams = SamplingParams()) -> SamplingParams:  # fmt: skip
     """The request's generation settings, checked; inputs first, then parameters of the same names,
@@ -294,110 +284,15 @@ def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, o
     if not -1 <= logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be from 0 to {MAX_LOGPROBS}")
     if "stop" in inputs:
-        stop = tuple(_as_bytes(v) for v in inputs["stop"].reshape(-1))
+        stop = tuple(as_bytes(v) for v in inputs["stop"].reshape(-1))
     else:
         value = parameters.get("stop")
-        stop = (_as_bytes(value),) if isinstance(value, str) and value else ()
+        stop = (as_bytes(value),) if isinstance(value, str) and value else ()
     ignore_eos = parameters.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidArgument("parameter 'ignore_eos' must be a bool")
     return SamplingParams(max_tokens, temperature, top_p, seed, tuple(s for s in stop if s), ignore_eos, top_k,
                           logprobs)
-
-
-class Vocabulary(Protocol):
-    """A model's tokens and text: prompt ids from a request's inputs, text from its tokens."""
-
-    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        """The prompt's token ids (raises InvalidArgument for a request it cannot read)."""
-        ...
-
-    def text_stream(self) -> TokenText:
-        """A new sequence's tokens -> its text's bytes."""
-        ...
-
-    def token_info(self, token: int) -> TokenInfo:
-        """A token's text and bytes, as log probabilities name it."""
-        ...
-
-
-def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> bytes:
-    values = inputs[name].reshape(-1)
-    if values.size != 1:
-        raise InvalidArgument(f"input '{name}' must hold one value")
-    return _as_bytes(values[0])
-
-
-class ByteVocabulary:
-    """The example decoders' vocabulary: ids 0-255 are bytes, a BOS before the prompt."""
-
-    def __init__(self, bos: int) -> None:
-        self._bos = bos
-
-    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        return ([self._bos] if self._bos >= 0 else []) + list(_one_text(inputs, "text_input"))
-
-    def text_stream(self) -> TokenText:
-        return _BYTES_TEXT
-
-    def token_info(self, token: int) -> TokenInfo:
-        data = _token_bytes(token)
-        return TokenInfo(data.decode("utf-8", errors="replace"), data)
-
-
-class _ByteText:
-    def feed(self, token: int) -> bytes:
-        return _token_bytes(token)
-
-    def flush(self) -> bytes:
-        return b""
-
-
-_BYTES_TEXT = _ByteText()
-
-
-class TokenizerVocabulary:
-    """A Hugging Face model's vocabulary: its tokenizer, and its chat template for ``messages``."""
-
-    def __init__(self, text: "HFText") -> None:
-        self.text = text
-
-    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        if "messages" in inputs:
-            if "text_input" in inputs:
-                raise InvalidArgument("send either 'text_input' (a prompt) or 'messages' (a chat), not both")
-            try:
-                messages = json.loads(_one_text(inputs, "messages"))
-            except ValueError as exc:
-                raise InvalidArgument(f"input 'messages' is not JSON: {exc}") from None
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise InvalidArgument("input 'messages' must be a JSON list of message objects")
-            return self.text.encode_chat(messages)
-        if "text_input" not in inputs:
-            raise InvalidArgument("the request needs 'text_input' (a prompt) or 'messages' (a chat)")
-        prompt = _one_text(inputs, "text_input")
-        try:
-            return self.text.encode(prompt.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise InvalidArgument("input 'text_input' is not UTF-8") from None
-
-    def text_stream(self) -> TokenText:
-        return self.text.detokenizer()
-
-    def token_info(self, token: int) -> TokenInfo:
-        return self.text.token_info(token)
-
-
-def logprobs_json(vocabulary: Vocabulary, logprobs: TokenLogprobs) -> str:
-    """A token's log probabilities as the response parameter ``logprobs`` carries them."""
-
-    def entry(token: int, logprob: float) -> dict[str, object]:
-        info = vocabulary.token_info(token)
-        return {"token": info.text, "bytes": list(info.data), "logprob": logprob}
-
-    doc = entry(logprobs.token, logprobs.logprob)
-    doc["top_logprobs"] = [entry(t, lp) for t, lp in logprobs.top]
-    return json.dumps(doc, ensure_ascii=False)
 
 
 class GenerateInstance:
@@ -464,10 +359,6 @@ class GenerateInstance:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _token_bytes(token: int) -> bytes:
-    return bytes((token,)) if 0 <= token < 256 else b""
-
-
 class GenerateBackend:
     name = BACKEND_NAME
     platform = ""
@@ -532,7 +423,7 @@ class GenerateBackend:
                      placement: Placement) -> GenerateInstance:  # fmt: skip
         """A Hugging Face export: its step, tokenizer, stop tokens and defaults from its own files."""
         from execution.backends.hf_export import read_export
-        from execution.backends.hf_tokenizer import HFText
+        from execution.backends.hf_tokenizer import HFText, TokenizerVocabulary
 
         settings = read_export(version_dir, config.name)
         text = HFText(version_dir, config.name)

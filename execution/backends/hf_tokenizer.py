@@ -16,6 +16,8 @@
   with the new ones, text held while it ends in an incomplete character),
   and at the end gives what is left, so that the pieces always join to
   ``decode(all ids, skip_special_tokens=True)``;
+- :class:`TokenizerVocabulary` reads a request with it: ``text_input``
+  (a prompt) or ``messages`` (a JSON list of chat messages);
 - :meth:`HFText.token_info` names a token for log probabilities: its text
   and its bytes (a byte-level token's own bytes, which may be part of a
   character).
@@ -27,19 +29,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from execution.backends.generate_scheduler import TokenText
+from execution.backends.vocabulary import TokenInfo, one_text
 from protos.errors import InvalidArgument
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# transformers' named special tokens, the variables a chat template sees.
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES), the variables a chat template sees.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+ADDITIONAL_SPECIAL_TOKENS = "additional_special_tokens"
 
 
 def _token_text(value: object) -> str | None:
@@ -65,6 +72,33 @@ def read_chat_template(version_dir: Path, tokenizer_config: Mapping[str, Any]) -
         default = named.get("default")
         return default if isinstance(default, str) else None
     return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} where there is none or it is not one (transformers' files are optional)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _special_tokens(config: Mapping[str, Any], special_map: Mapping[str, Any]) -> dict[str, Any]:
+    """The named special tokens as transformers' ``special_tokens_map`` gives them to a template:
+    tokenizer_config.json's, else special_tokens_map.json's; the set ones only."""
+    tokens: dict[str, Any] = {}
+    for name in SPECIAL_TOKENS:
+        text = _token_text(config.get(name))
+        if text is None:
+            text = _token_text(special_map.get(name))
+        if text:
+            tokens[name] = text
+    extra = config.get(ADDITIONAL_SPECIAL_TOKENS) or special_map.get(ADDITIONAL_SPECIAL_TOKENS)
+    if isinstance(extra, list):
+        texts = [t for v in extra if (t := _token_text(v))]
+        if texts:
+            tokens[ADDITIONAL_SPECIAL_TOKENS] = texts
+    return tokens
 
 
 @lru_cache(maxsize=16)
@@ -109,14 +143,6 @@ def _compile(template: str) -> Any:
         raise InvalidArgument(f"the model's chat template does not compile: {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class TokenInfo:
-    """A token as log probabilities name it."""
-
-    text: str
-    data: bytes
-
-
 class HFText:
     """One model's tokenizer, special tokens and chat template."""
 
@@ -136,8 +162,7 @@ class HFText:
                 config = json.loads(config_path.read_text(encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as exc:
                 raise InvalidArgument(f"model '{model}': {TOKENIZER_CONFIG_FILE} is not JSON: {exc}") from None
-        self.special_tokens = {name: text for name in SPECIAL_TOKENS
-                               if (text := _token_text(config.get(name))) is not None}
+        self.special_tokens = _special_tokens(config, _read_json(version_dir / SPECIAL_TOKENS_FILE))
         self.chat_template = read_chat_template(version_dir, config)
         if self.chat_template is not None:
             _compile(self.chat_template)  # a template that cannot compile fails the load, not a request
@@ -158,10 +183,8 @@ class HFText:
                                   f"{TOKENIZER_CONFIG_FILE}); send a prompt instead")
         import jinja2
 
-        # transformers drops the keys whose value is None before rendering.
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return str(_compile(self.chat_template).render(messages=chat, tools=None, documents=None,
+            return str(_compile(self.chat_template).render(messages=list(messages), tools=None, documents=None,
                                                            add_generation_prompt=True, **self.special_tokens))
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidArgument(f"model '{self.model}''s chat template refused the messages: {exc}") from None
@@ -193,6 +216,38 @@ class HFText:
                 pass
         text = str(self.tokenizer.decode([token], skip_special_tokens=False))
         return TokenInfo(text, text.encode("utf-8"))
+
+
+class TokenizerVocabulary:
+    """A Hugging Face model's vocabulary: its tokenizer, and its chat template for ``messages``."""
+
+    def __init__(self, text: HFText) -> None:
+        self.text = text
+
+    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        if "messages" in inputs:
+            if "text_input" in inputs:
+                raise InvalidArgument("send either 'text_input' (a prompt) or 'messages' (a chat), not both")
+            try:
+                messages = json.loads(one_text(inputs, "messages"))
+            except ValueError as exc:
+                raise InvalidArgument(f"input 'messages' is not JSON: {exc}") from None
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise InvalidArgument("input 'messages' must be a JSON list of message objects")
+            return self.text.encode_chat(messages)
+        if "text_input" not in inputs:
+            raise InvalidArgument("the request needs 'text_input' (a prompt) or 'messages' (a chat)")
+        prompt = one_text(inputs, "text_input")
+        try:
+            return self.text.encode(prompt.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidArgument("input 'text_input' is not UTF-8") from None
+
+    def text_stream(self) -> TokenText:
+        return self.text.detokenizer()
+
+    def token_info(self, token: int) -> TokenInfo:
+        return self.text.token_info(token)
 
 
 class Detokenizer:
