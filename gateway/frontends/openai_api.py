@@ -240,16 +240,17 @@ class OpenAIApi:
         joiner, matcher = TextJoiner(), StopMatcher(g.sampling.stop)
         tokens, reason, prompt_tokens, completion_tokens = 0, None, None, None
         logprobs: list[dict[str, Any]] = []  # entries not yet sent with a text
-        offset = 0  # where the next token's text starts in the choice's text
+        chars = 0  # the choice's text so far, in characters: where the next token's text starts
         async with aclosing(self._core.stream(infer)) as responses:
             async for response in responses:
                 data = _token(response)
                 tokens += bool(data)
+                piece = joiner.feed(data)
                 if g.sampling.logprobs is not None and (entry := token_logprobs(response)) is not None:
-                    entry["offset"] = offset
-                    offset += len(entry.get("token", ""))
+                    entry["offset"] = chars
                     logprobs.append(entry)
-                text = matcher.feed(joiner.feed(data))
+                chars += len(piece)
+                text = matcher.feed(piece)
                 if text:
                     await emit(_Event(index, text, response=response, logprobs=tuple(logprobs)))
                     logprobs.clear()
