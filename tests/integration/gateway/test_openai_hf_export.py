@@ -12,7 +12,8 @@
 - ``logprobs`` / ``top_logprobs`` are ``generate``'s log-softmax scores
   (within 1e-4), token by token;
 - stop tokens (a list) and ``max_new_tokens`` come from
-  ``generation_config.json``.
+  ``generation_config.json``; a ``config.pbtxt`` beside an export may set
+  the scheduler's parameters and nothing else.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def served(hf_llama_export: Path, reference: Reference,
     doc = json.loads(generation.read_text())
     doc.update(eos_token_id=[doc["eos_token_id"], token], max_new_tokens=STOPS_MAX_NEW)
     generation.write_text(json.dumps(doc))
-    assert not list(repo.rglob("config.pbtxt"))
+    # A config.pbtxt beside an export may set the scheduler's parameters; the rest still comes from the files.
+    (repo / "llama_stops" / "config.pbtxt").write_text('parameters { key: "max_sequences" value { string_value: "8" } }\n')
+    assert not (repo / "llama" / "config.pbtxt").exists()
     proc = start(["serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"])
     try:
         base = f"http://127.0.0.1:{proc.ready['http_port']}"
@@ -159,6 +162,9 @@ def test_the_export_is_served_with_no_config_as_a_decoupled_generation_model(
     assert config["backend"] == "generate"
     assert config["model_transaction_policy"]["decoupled"] is True
     assert {"text_input", "messages"} <= {i["name"] for i in config["input"]}
+    assert config["parameters"]["max_positions"]["string_value"] == "512"  # config.json's max_position_embeddings
+    stops = requests.get(f"{base}/v2/models/llama_stops/config", timeout=10).json()
+    assert (stops["backend"], stops["parameters"]["max_sequences"]["string_value"]) == ("generate", "8")
     assert [m.id for m in _client(proc).models.list().data if m.id.startswith("llama")] == ["llama", "llama_stops"]
 
 
