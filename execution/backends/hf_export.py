@@ -3,7 +3,10 @@ text-generation-with-past`` writes it, recognised and served with no
 ``config.pbtxt``.
 
 Recognised (:func:`is_decoder_export`): a version directory holding
-``model.onnx``, ``config.json`` and ``tokenizer.json``. Read from it:
+``model.onnx``, ``config.json`` and ``tokenizer.json`` whose config names a
+causal language model (an architecture ``...ForCausalLM`` or
+``...LMHeadModel``: an encoder's export, with the same files, is not one).
+Read from it:
 
 - ``model.onnx``: inputs ``input_ids``, ``attention_mask``, optionally
   ``position_ids``, ``past_key_values.N.key|value`` [batch, kv_heads, past,
@@ -49,12 +52,21 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 16
 TRANSFORMERS_TOP_K = 50  # GenerationConfig's default, applied when sampling
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
 def is_decoder_export(version_dir: Path) -> bool:
     """Whether the directory looks like a Hugging Face decoder exported to ONNX."""
-    return all((version_dir / name).is_file() for name in (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE))
+    if not all((version_dir / name).is_file() for name in (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE)):
+        return False
+    try:
+        config = json.loads((version_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith(CAUSAL_LM_ARCHITECTURES) for a in architectures)
 
 
 def _json(path: Path, model: str) -> dict[str, Any]:

@@ -133,6 +133,12 @@ def test_requests_are_read_as_a_prompt_or_a_chat(hf_llama_source: Path) -> None:
 
 def test_stop_tokens_and_defaults_come_from_generation_config(hf_llama_source: Path, tmp_path: Path) -> None:
     assert not is_decoder_export(hf_llama_source)  # a checkpoint, not an export: no model.onnx
+    files = _copy(hf_llama_source, tmp_path / "files")
+    (files / "model.onnx").write_bytes(b"")
+    assert is_decoder_export(files)
+    config = json.loads((files / "config.json").read_text())
+    (files / "config.json").write_text(json.dumps({**config, "architectures": ["BertModel"]}))
+    assert not is_decoder_export(files)  # an encoder's export has the same files
     settings = read_export(hf_llama_source, "llama")
     assert (settings.layers, settings.kv_heads, settings.head_dim, settings.max_positions) == (2, 2, 16, 512)
     assert settings.eos_ids == (1,)
