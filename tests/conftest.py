@@ -43,10 +43,10 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_llama_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama checkpoint with its tokenizer and chat template (tests/fixtures/hf_llama.py)."""
+    """A tiny random-weight Llama checkpoint with its tokenizer and chat template (tests/fixtures/hf_decoders.py)."""
     for package in ("torch", "transformers", "tokenizers"):
         pytest.importorskip(package)
-    from tests.fixtures.hf_llama import build_source
+    from tests.fixtures.hf_decoders import build_source
 
     return build_source(tmp_path_factory.mktemp("hf-llama") / "source")
 
@@ -55,7 +55,7 @@ def hf_llama_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_llama_export(hf_llama_source: Path) -> Path:
     """That checkpoint as ``optimum-cli export onnx --task text-generation-with-past`` writes it."""
     pytest.importorskip("optimum.exporters.onnx")
-    from tests.fixtures.hf_llama import export
+    from tests.fixtures.hf_decoders import export
 
     return export(hf_llama_source, hf_llama_source.parent / "export")
 

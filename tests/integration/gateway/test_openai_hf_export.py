@@ -13,7 +13,8 @@
   (within 1e-4), token by token;
 - stop tokens (a list) and ``max_new_tokens`` come from
   ``generation_config.json``; a ``config.pbtxt`` beside an export may set
-  the scheduler's parameters and nothing else.
+  the scheduler's parameters and nothing else;
+- (slow) a GPT-2 export the same way: greedy streams equal ``generate``.
 """
 
 from __future__ import annotations
@@ -270,3 +271,37 @@ def test_stop_tokens_and_defaults_come_from_generation_config(served: tuple[Proc
     want = reference.greedy(reference.prompt_ids(case.long_prompt), STOPS_MAX_NEW)
     assert long.choices[0].text == reference.text(want.ids)
     assert (long.choices[0].finish_reason, long.usage.completion_tokens) == ("length", STOPS_MAX_NEW)
+
+
+@pytest.mark.slow
+def test_a_gpt2_export_is_served_token_for_token_too(tmp_path: Path) -> None:
+    """The GPT-2 family: multi-head attention, learned positions, no BOS, its end token free to come."""
+    pytest.importorskip("optimum.exporters.onnx")
+    from tests.fixtures.hf_decoders import build_gpt2_source, export
+
+    source = build_gpt2_source(tmp_path / "gpt2-source")
+    export(source, tmp_path / "repo" / "gpt2" / "1")
+    reference = Reference(source)
+    expected = {p: reference.greedy(reference.prompt_ids(p), MAX_TOKENS) for p in PROMPTS}
+    proc = start(["serve", "--model-repository", str(tmp_path / "repo"), "--http-port", "0", "--grpc-port", "0"])
+    try:
+        base = f"http://127.0.0.1:{proc.ready['http_port']}"
+        poll(lambda: requests.get(f"{base}/v2/models/gpt2/ready", timeout=10).status_code == 200, "model ready",
+             timeout_s=60.0)
+        client = _client(proc)
+
+        def streamed(prompt: str) -> tuple[str, str | None]:
+            text, reason = "", None
+            for chunk in client.completions.create(model="gpt2", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                   temperature=0, stream=True):
+                for choice in chunk.choices:
+                    text += choice.text
+                    reason = choice.finish_reason or reason
+            return text, reason
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(streamed, PROMPTS))
+    finally:
+        proc.stop()
+    for prompt, (text, reason) in zip(PROMPTS, results):
+        assert (text, reason) == (reference.text(expected[prompt].ids), expected[prompt].finish_reason), prompt
