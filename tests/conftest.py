@@ -1,4 +1,5 @@
-"""Shared fixtures: the example model repository, built once per test session, and the
+"""Shared fixtures: the example model repository and a tiny Hugging Face Llama (its
+checkpoint and its ONNX export), each built once per test session, and the
 simulated multi-host network.
 
 Tests marked ``slow`` are skipped unless pytest runs with ``--run-slow``.
@@ -38,6 +39,25 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models")
     build_repository(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_llama_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama checkpoint with its tokenizer and chat template (tests/fixtures/hf_decoders.py)."""
+    for package in ("torch", "transformers", "tokenizers"):
+        pytest.importorskip(package)
+    from tests.fixtures.hf_decoders import build_source
+
+    return build_source(tmp_path_factory.mktemp("hf-llama") / "source")
+
+
+@pytest.fixture(scope="session")
+def hf_llama_export(hf_llama_source: Path) -> Path:
+    """That checkpoint as ``optimum-cli export onnx --task text-generation-with-past`` writes it."""
+    pytest.importorskip("optimum.exporters.onnx")
+    from tests.fixtures.hf_decoders import export
+
+    return export(hf_llama_source, hf_llama_source.parent / "export")
 
 
 @pytest.fixture

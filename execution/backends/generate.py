@@ -4,9 +4,10 @@ with an explicit KV cache (``backend: "generate"``; the example ``tiny_lm``).
 Owns reading a request of the generation contract (``text_input``, optional
 ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, as inputs or,
 when an input is absent, request parameters of the same names; the request
-parameter ``ignore_eos`` makes a generation run to ``max_tokens``), the byte
-vocabulary (ids 0-255 are bytes; ``bos_token_id``, ``eos_token_id``,
-``pad_token_id`` from the config's ``parameters``), and running one padded
+parameter ``ignore_eos`` makes a generation run to ``max_tokens``), the
+model's vocabulary (``execution.backends.vocabulary``: the byte vocabulary
+with ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` from the config's
+``parameters``, or a Hugging Face model's tokenizer), and running one padded
 decoder step (:class:`DecoderStep`: ONNX Runtime here, a split decoder's shards on a gateway). Scheduling the
 steps is ``generate_scheduler``'s: each instance owns one :class:`Scheduler`,
 and every request of the instance joins its running batch. ONNX Runtime runs
@@ -23,6 +24,17 @@ Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 ``max_cache_bytes`` (KV cache they may reserve, default 64 MiB),
 ``max_batch_sequences`` (sequences in one step; 1 = one at a time, for
 comparison; default all), ``max_positions`` (the model's context).
+
+A Hugging Face decoder as ``optimum`` exports it is served with no
+``config.pbtxt`` (``execution.backends.hf_export``): its step has the
+export's names (``past_key_values.N.key``, ``present.N.key``), its
+:class:`Vocabulary` is the model's own tokenizer and chat template
+(``execution.backends.hf_tokenizer``), its stop tokens and defaults come
+from ``generation_config.json``. Text goes out as the tokenizer's
+incremental decode (each response the whole characters a token completed).
+For any model the request parameter ``logprobs`` (0 to 20) adds each
+token's log probability and its most likely alternatives as the response
+parameter ``logprobs``.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from execution.backends.generate_scheduler import (
     StepRow,
     TokenOut,
 )
+from execution.backends.vocabulary import ByteVocabulary, Vocabulary, as_bytes, logprobs_json
 from execution.backends.run_errors import classify_run_error
 from execution.devices import cpu_count, cuda_device_count
 from protos.errors import InvalidArgument
@@ -62,6 +75,8 @@ _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
 RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
+MAX_LOGPROBS = 20
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,30 +111,55 @@ class DecoderStep:
     arrays (one copy, and the padding of earlier steps dropped).
     """
 
-    def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int) -> None:
+    def __init__(self, run: RunStep, model: str, pad_id: int, layers: int, heads: int, head_dim: int, *,
+                 pasts: Sequence[str] | None = None, presents: Sequence[str] | None = None,
+                 dtype: type[np.floating] = np.float32, position_ids: bool = True) -> None:  # fmt: skip
+        """``pasts``/``presents``: the cache's input and output names, key then value of each layer
+        (default the project's own ``past_key_<layer>``); ``heads``: the KV heads."""
         self._run = run
         self._model = model
         self._pad_id = pad_id
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self._pasts = [f"past_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
-        self._outputs = ["logits"] + [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
+        self._dtype = dtype
+        self._position_ids = position_ids
+        self._pasts = list(pasts) if pasts is not None else \
+            [f"past_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")]
+        self._outputs = ["logits"] + (list(presents) if presents is not None else
+                                      [f"present_{kind}_{layer}" for layer in range(self.layers) for kind in ("key", "value")])
 
     @classmethod
     def onnx(cls, session: ort.InferenceSession, model: str, pad_id: int) -> "DecoderStep":
         past = [i for i in session.get_inputs() if i.name.startswith("past_key_")]
-        run = session.run
+        return cls(_session_runner(session, model), model, pad_id, len(past), int(past[0].shape[1]), int(past[0].shape[3]))
 
-        def run_session(outputs: list[str], feeds: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
-            try:
-                return run(outputs, feeds)
-            except Exception as exc:  # ONNX Runtime's status exceptions
-                raise classify_run_error(exc, model) from None
+    @classmethod
+    def export(cls, session: ort.InferenceSession, model: str, pad_id: int, kv_heads: int,
+               head_dim: int) -> "DecoderStep":  # fmt: skip
+        """The step of a Hugging Face export: ``past_key_values.N.key`` [batch, kv_heads, past, head_dim] in,
+        ``present.N.key`` out; the head counts from config.json where the graph leaves them symbolic."""
+        from execution.backends.hf_export import cache_names
 
-        return cls(run_session, model, pad_id, len(past), int(past[0].shape[1]), int(past[0].shape[3]))
+        inputs = {i.name: i for i in session.get_inputs()}
+        layers, pasts, presents = cache_names(list(inputs), model)
+        missing = [n for n in ["logits", *presents] if n not in {o.name for o in session.get_outputs()}]
+        if missing or "input_ids" not in inputs or "attention_mask" not in inputs:
+            raise InvalidArgument(f"model '{model}': model.onnx is not a decoder with past (missing "
+                                  f"{missing or ['input_ids', 'attention_mask']})")
+        first = inputs[pasts[0]]
+        if len(first.shape) != 4:
+            raise InvalidArgument(f"model '{model}': cache input {first.name} is not [batch, heads, past, head_dim]")
+        heads = first.shape[1] if isinstance(first.shape[1], int) else kv_heads
+        dim = first.shape[3] if isinstance(first.shape[3], int) else head_dim
+        dtype = _DTYPES.get(first.type)
+        if not heads or not dim or dtype is None:
+            raise InvalidArgument(f"model '{model}': cannot tell the cache's heads, head size and type "
+                                  f"({first.name}: {first.type} {first.shape})")
+        return cls(_session_runner(session, model), model, pad_id, layers, int(heads), int(dim), pasts=pasts,
+                   presents=presents, dtype=dtype, position_ids="position_ids" in inputs)
 
     @property
     def cache_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.heads * self.head_dim * 4
+        return 2 * self.layers * self.heads * self.head_dim * np.dtype(self._dtype).itemsize
 
     def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
         first = rows[0].cache
@@ -136,8 +176,9 @@ class DecoderStep:
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.array([row.tokens for row in rows], dtype=np.int64),
             "attention_mask": mask,
-            "position_ids": np.array([[row.position] for row in rows], dtype=np.int64),
         }
+        if self._position_ids:
+            feeds["position_ids"] = np.array([[row.position] for row in rows], dtype=np.int64)
         feeds.update(zip(self._pasts, last.arrays))
         return self._step(feeds, mask, np.zeros(batch, dtype=np.int64))
 
@@ -154,7 +195,7 @@ class DecoderStep:
             ids[b, :len(row.tokens)] = row.tokens
         positions = np.where(real_new, starts[:, None] + columns[None, :], 0)
         mask = np.concatenate([np.arange(past)[None, :] < starts[:, None], real_new], axis=1).astype(np.int64)
-        pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=np.float32)
+        pasts = np.zeros((2 * self.layers, batch, self.heads, past, self.head_dim), dtype=self._dtype)
         for b, row in enumerate(rows):
             cache = row.cache
             if cache is None:
@@ -168,7 +209,9 @@ class DecoderStep:
                 real = slice(0, row.position)  # type: ignore[assignment]
             for k, array in enumerate(cache.step.arrays):
                 pasts[k, b, :, :row.position] = array[cache.index][:, real]
-        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask}
+        if self._position_ids:
+            feeds["position_ids"] = positions
         feeds.update(zip(self._pasts, pasts))
         return self._step(feeds, mask, lengths - 1)
 
@@ -177,7 +220,21 @@ class DecoderStep:
         logits, *presents = self._run(self._outputs, feeds)
         caches = _StepCaches(tuple(presents), mask)
         chosen = logits[np.arange(len(last)), last]  # [B, V]: each row's logits after its last new token (a copy)
+        if chosen.dtype != np.float32:
+            chosen = chosen.astype(np.float32)
         return [(chosen[b], RowCache(caches, b)) for b in range(len(last))]
+
+
+def _session_runner(session: ort.InferenceSession, model: str) -> RunStep:
+    run = session.run
+
+    def run_session(outputs: list[str], feeds: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
+        try:
+            return run(outputs, feeds)
+        except Exception as exc:  # ONNX Runtime's status exceptions
+            raise classify_run_error(exc, model) from None
+
+    return run_session
 
 
 def int_parameter(config: mc.ModelConfig, key: str, default: int) -> int:
@@ -204,43 +261,54 @@ def _scalar(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object], 
     return kind(value)
 
 
-def _as_bytes(value: object) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode("utf-8")
-
-
-def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> SamplingParams:
-    """The request's generation settings, checked; inputs first, then parameters of the same names."""
-    max_tokens = int(_scalar(inputs, parameters, "max_tokens", int, 16))  # type: ignore[call-overload]
-    temperature = float(_scalar(inputs, parameters, "temperature", float, 0.0))  # type: ignore[arg-type]
-    top_p = float(_scalar(inputs, parameters, "top_p", float, 1.0))  # type: ignore[arg-type]
+def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                    defaults: SamplingParams = SamplingParams()) -> SamplingParams:  # fmt: skip
+    """The request's generation settings, checked; inputs first, then parameters of the same names,
+    then ``defaults`` (the model's)."""
+    max_tokens = int(_scalar(inputs, parameters, "max_tokens", int, defaults.max_tokens))  # type: ignore[call-overload]
+    temperature = float(_scalar(inputs, parameters, "temperature", float, defaults.temperature))  # type: ignore[arg-type]
+    top_p = float(_scalar(inputs, parameters, "top_p", float, defaults.top_p))  # type: ignore[arg-type]
+    top_k = int(_scalar(inputs, parameters, "top_k", int, defaults.top_k))  # type: ignore[call-overload]
     seed = int(_scalar(inputs, parameters, "seed", int, 0))  # type: ignore[call-overload]
+    logprobs = int(_scalar(inputs, parameters, "logprobs", int, -1))  # type: ignore[call-overload]
     if max_tokens < 0:
         raise InvalidArgument("max_tokens must be at least 0")
     if not 0.0 <= temperature <= 100.0:
         raise InvalidArgument("temperature must be between 0 and 100")
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgument("top_p must be in (0, 1]")
+    if top_k < 0:
+        raise InvalidArgument("top_k must be at least 0")
     if seed < 0:
         raise InvalidArgument("seed must be at least 0")
+    if not -1 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be from 0 to {MAX_LOGPROBS}")
     if "stop" in inputs:
-        stop = tuple(_as_bytes(v) for v in inputs["stop"].reshape(-1))
+        stop = tuple(as_bytes(v) for v in inputs["stop"].reshape(-1))
     else:
         value = parameters.get("stop")
-        stop = (_as_bytes(value),) if isinstance(value, str) and value else ()
+        stop = (as_bytes(value),) if isinstance(value, str) and value else ()
     ignore_eos = parameters.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidArgument("parameter 'ignore_eos' must be a bool")
-    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(s for s in stop if s), ignore_eos)
+    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(s for s in stop if s), ignore_eos, top_k,
+                          logprobs)
 
 
 class GenerateInstance:
     """One decoder session and the scheduler that batches every request sent to it."""
 
-    def __init__(self, step: DecoderStep, config: mc.ModelConfig, placement: Placement) -> None:
+    def __init__(self, step: DecoderStep, config: mc.ModelConfig, placement: Placement, *,
+                 vocabulary: Vocabulary | None = None, eos_ids: Sequence[int] | None = None,
+                 defaults: SamplingParams = SamplingParams()) -> None:  # fmt: skip
+        """``vocabulary``: the byte vocabulary (BOS from the config's parameters) unless given; ``eos_ids``:
+        the config's ``eos_token_id`` unless given; ``defaults``: what a request leaves out."""
         self.placement = placement
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{config.name}")
-        self._bos = int_parameter(config, "bos_token_id", -1)
-        eos = int_parameter(config, "eos_token_id", -1)
+        bos = int_parameter(config, "bos_token_id", -1)
+        self._vocabulary = vocabulary if vocabulary is not None else ByteVocabulary(bos)
+        self._defaults = defaults
+        eos = list(eos_ids) if eos_ids is not None else [int_parameter(config, "eos_token_id", -1)]
         limits = SchedulerLimits(
             max_sequences=int_parameter(config, "max_sequences", DEFAULT_MAX_SEQUENCES),
             max_cache_bytes=int_parameter(config, "max_cache_bytes", DEFAULT_MAX_CACHE_BYTES),
@@ -250,7 +318,9 @@ class GenerateInstance:
         )
         if limits.max_sequences < 1 or limits.max_cache_bytes < 1:
             raise InvalidArgument(f"model '{config.name}': max_sequences and max_cache_bytes must be positive")
-        banned = [t for t in (self._bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
+        # The byte vocabulary never generates its BOS or padding; a tokenizer's model may say what it likes.
+        banned = [] if vocabulary is not None else \
+            [t for t in (bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
         self.scheduler = Scheduler(config.name, limits, step, self._offload, eos_id=eos, banned=banned)
 
     async def _offload(self, call: Callable[[], list[tuple[np.ndarray, object]]]) -> list[tuple[np.ndarray, object]]:
@@ -264,23 +334,22 @@ class GenerateInstance:
 
     def start_decoupled(self, inputs: Mapping[str, np.ndarray], context: RequestContext,
                         emit: Callable[[StreamEvent], None], cancelled: threading.Event) -> asyncio.Future[None]:  # fmt: skip
-        text = inputs["text_input"].reshape(-1)
-        if text.size != 1:
-            raise InvalidArgument("input 'text_input' must hold one prompt")
-        prompt = ([self._bos] if self._bos >= 0 else []) + list(_as_bytes(text[0]))
-        params = sampling_params(inputs, context.parameters)
+        vocabulary = self._vocabulary
+        prompt = vocabulary.prompt_ids(inputs)
+        params = sampling_params(inputs, context.parameters, self._defaults)
 
         def send(out: TokenOut) -> None:
             if out.error is not None:
                 emit(StreamEvent({}, True, out.error))
             elif out.data is not None:
-                emit(StreamEvent({"text_output": np.array([out.data], dtype=np.object_)}, False))
+                extra = {} if out.logprobs is None else {"logprobs": logprobs_json(vocabulary, out.logprobs)}
+                emit(StreamEvent({"text_output": np.array([out.data], dtype=np.object_)}, False, parameters=extra))
             else:
                 emit(StreamEvent({}, True, parameters={"finish_reason": out.finish_reason or "stop",
                                                        "prompt_tokens": out.prompt_tokens,
                                                        "completion_tokens": out.completion_tokens}))
 
-        self.scheduler.admit(prompt, params, send, cancelled, _token_bytes)
+        self.scheduler.admit(prompt, params, send, cancelled, vocabulary.text_stream())
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)  # admitted: the instance may take the next request now
         return done
@@ -288,10 +357,6 @@ class GenerateInstance:
     def close(self) -> None:
         self.scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _token_bytes(token: int) -> bytes:
-    return bytes((token,)) if 0 <= token < 256 else b""
 
 
 class GenerateBackend:
@@ -317,6 +382,10 @@ class GenerateBackend:
         return f"generation over ONNX decoder steps ({self._gpus} GPU(s), {self._threads} intra-op threads on the CPU)"
 
     def complete_config(self, config: mc.ModelConfig, version_dir: Path) -> mc.ModelConfig:
+        from execution.backends.hf_export import complete_export_config, is_decoder_export
+
+        if is_decoder_export(version_dir):
+            config = complete_export_config(config, version_dir)
         if not config.model_transaction_policy.decoupled:
             raise InvalidArgument(f"model '{config.name}': a generation model must be decoupled")
         if [i.name for i in config.input][:1] != ["text_input"] or "text_output" not in {o.name for o in config.output}:
@@ -339,11 +408,34 @@ class GenerateBackend:
             session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:
             raise InvalidArgument(f"ONNX Runtime cannot load {version_dir.name}/{path.name}: {exc}") from None
+        logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
+        from execution.backends.hf_export import is_decoder_export
+
+        if is_decoder_export(version_dir):
+            return self._load_export(session, version_dir, config, placement)
         if not any(i.name == "past_key_0" for i in session.get_inputs()):
             raise InvalidArgument(f"model '{config.name}': {path.name} is not a decoder step (no past_key_0 input)")
-        logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
         step = DecoderStep.onnx(session, config.name, int_parameter(config, "pad_token_id", 0))
         return GenerateInstance(step, config, placement)
+
+    @staticmethod
+    def _load_export(session: ort.InferenceSession, version_dir: Path, config: mc.ModelConfig,
+                     placement: Placement) -> GenerateInstance:  # fmt: skip
+        """A Hugging Face export: its step, tokenizer, stop tokens and defaults from its own files."""
+        from execution.backends.hf_export import read_export
+        from execution.backends.hf_tokenizer import HFText, TokenizerVocabulary
+
+        settings = read_export(version_dir, config.name)
+        text = HFText(version_dir, config.name)
+        step = DecoderStep.export(session, config.name, settings.pad_id, settings.kv_heads, settings.head_dim)
+        eos = settings.eos_ids
+        if not eos and (token := text.special_tokens.get("eos_token")) is not None:
+            found = text.token_id(token)
+            eos = (found,) if found is not None else ()
+        logger.info("model %s: a Hugging Face export, %d layers of %d KV heads x %d, context %d, stop tokens %s",
+                    config.name, step.layers, step.heads, step.head_dim, settings.max_positions, list(eos))
+        return GenerateInstance(step, config, placement, vocabulary=TokenizerVocabulary(text), eos_ids=eos,
+                                defaults=settings.defaults)
 
     def close(self) -> None:
         pass

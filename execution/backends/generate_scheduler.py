@@ -24,9 +24,16 @@ not depend on its neighbours, so a greedy sequence decodes the same tokens
 batched or alone.
 
 Sampling (``choose_token``): temperature 0 is greedy; otherwise softmax at
-the temperature, cut to the ``top_p`` nucleus, drawn with the sequence's own
-``numpy`` Generator seeded from the request, so a seeded request gives the
-same tokens alone or batched.
+the temperature, cut to the ``top_k`` most likely and then to the ``top_p``
+nucleus (transformers' order), drawn with the sequence's own ``numpy``
+Generator seeded from the request, so a seeded request gives the same tokens
+alone or batched. With ``logprobs`` (0 or more) each token goes out with its
+log probability and the ``logprobs`` most likely ones, from the model's
+logits before any sampling setting.
+
+A sequence's text comes from its :class:`TokenText`: the bytes each token
+adds (a byte vocabulary's one byte; a tokenizer's incremental decode, which
+may hold a partial character) and, at the end, what it still held.
 """
 
 from __future__ import annotations
@@ -66,6 +73,42 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[bytes, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, capacity tests)
+    top_k: int = 0  # 0: no cut
+    logprobs: int = -1  # -1: none; else each token's log probability and this many most likely ones
+
+
+class TokenText(Protocol):
+    """One sequence's tokens -> the bytes of its text."""
+
+    def feed(self, token: int) -> bytes:
+        """The bytes ``token`` adds (b"" while a character is incomplete)."""
+        ...
+
+    def flush(self) -> bytes:
+        """At the end: the bytes still held."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _BytesOf:
+    """A stateless vocabulary (``token -> bytes``) as a :class:`TokenText`."""
+
+    of: Callable[[int], bytes]
+
+    def feed(self, token: int) -> bytes:
+        return self.of(token)
+
+    def flush(self) -> bytes:
+        return b""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A chosen token's log probability and the most likely tokens' (best first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +132,7 @@ class TokenOut:
 
     data: bytes | None = None
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: InferGateError | None = None
@@ -110,7 +154,7 @@ class GenSequence:
     params: SamplingParams
     emit: Callable[[TokenOut], None]
     cancelled: threading.Event
-    token_bytes: Callable[[int], bytes]
+    token_text: TokenText
     reserved_bytes: int
     capacity: int  # positions: prompt + max_tokens, within the context
     rng: np.random.Generator = field(init=False)
@@ -119,7 +163,8 @@ class GenSequence:
     completion: int = 0  # tokens chosen
     last_token: int = -1
     text: bytearray = field(default_factory=bytearray)  # the completion's bytes, sent or held
-    held: collections.deque[bytes] = field(default_factory=collections.deque)  # chunks that may start a stop string
+    # Chunks that may start a stop string, each with its token's log probabilities.
+    held: collections.deque[tuple[bytes, TokenLogprobs | None]] = field(default_factory=collections.deque)
     sent_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -131,6 +176,9 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.temperature <= 0.0:
         return int(logits.argmax())
     scaled = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < scaled.shape[0]:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled >= kth, scaled, -np.inf)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if params.top_p < 1.0:
@@ -140,6 +188,20 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         nucleus[keep] = probs[keep]
         probs = nucleus / nucleus.sum()
     return int(rng.choice(probs.shape[0], p=probs))
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log probability under softmax(logits), and the ``top`` most likely tokens' (best first)."""
+    values = logits.astype(np.float64)
+    shifted = values - values.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        count = min(top, logp.shape[0])
+        part = np.argpartition(-logp, count - 1)[:count]
+        order = part[np.lexsort((part, -logp[part]))]  # most likely first; ties by id
+        best = tuple((int(t), float(logp[t])) for t in order)
+    return TokenLogprobs(token, float(logp[token]), best)
 
 
 def _stop_prefix(text: bytes, stops: Sequence[bytes]) -> int:
@@ -157,12 +219,13 @@ class Scheduler:
     """One instance's running batch: admission, the step loop, token choice and finishing."""
 
     def __init__(self, model: str, limits: SchedulerLimits, step: StepFunction, offload: Offload[list[tuple[np.ndarray, object]]],
-                 *, eos_id: int, banned: Sequence[int] = ()) -> None:  # fmt: skip
+                 *, eos_id: int | Sequence[int], banned: Sequence[int] = ()) -> None:  # fmt: skip
         self.model = model
         self.limits = limits
         self._step = step
         self._offload = offload
-        self._eos_id = eos_id
+        self._eos = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+        self._eos = [e for e in self._eos if e >= 0]
         self._banned = list(banned)
         self._batch = limits.max_batch_sequences or limits.max_sequences
         self._waiting: collections.deque[GenSequence] = collections.deque()
@@ -177,9 +240,10 @@ class Scheduler:
     # --- admission (event loop thread) -------------------------------------------
 
     def admit(self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenOut], None],
-              cancelled: threading.Event, token_bytes: Callable[[int], bytes]) -> GenSequence | None:  # fmt: skip
+              cancelled: threading.Event, text: TokenText | Callable[[int], bytes]) -> GenSequence | None:  # fmt: skip
         """Queue one request, or refuse it: capacity (Overloaded, retryable) or a request that can never fit.
 
+        ``text`` gives each token's bytes (a :class:`TokenText`, or a plain ``token -> bytes``).
         ``max_tokens`` 0 is answered at once (no step, nothing held): None."""
         limits = self.limits
         if self._closed:
@@ -197,7 +261,8 @@ class Scheduler:
         admitted = len(self._waiting) + len(self._running)
         if admitted >= limits.max_sequences or self._reserved + reserved > limits.max_cache_bytes:
             raise Overloaded(f"model '{self.model}' is at capacity ({admitted} sequences); retry later")
-        sequence = GenSequence(prompt, params, emit, cancelled, token_bytes, reserved, capacity)
+        token_text = text if hasattr(text, "flush") else _BytesOf(text)  # type: ignore[arg-type]
+        sequence = GenSequence(prompt, params, emit, cancelled, token_text, reserved, capacity)  # type: ignore[arg-type]
         self._reserved += reserved
         self._waiting.append(sequence)
         if self._task is None:
@@ -255,28 +320,43 @@ class Scheduler:
 
     def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:
         """Choose the sequence's next token, send what may be sent, and end it when it is done."""
+        params = sequence.params
+        raw = logits.copy() if params.logprobs >= 0 and (self._banned or params.ignore_eos) else logits
         if self._banned:
             logits[self._banned] = -np.inf  # the step's output, the scheduler's to change
-        if sequence.params.ignore_eos:
-            logits[self._eos_id] = -np.inf
-        token = choose_token(logits, sequence.params, sequence.rng)
+        if params.ignore_eos and self._eos:
+            logits[self._eos] = -np.inf
+        token = choose_token(logits, params, sequence.rng)
         sequence.completion += 1
         sequence.last_token = token
         self._tokens += 1
-        if token == self._eos_id:
-            self._flush(sequence, len(sequence.text))
-            self._finish(sequence, "stop")
+        if token in self._eos:
+            self._end(sequence, "stop")
             return
-        chunk = sequence.token_bytes(token)
+        logprobs = token_logprobs(raw, token, params.logprobs) if params.logprobs >= 0 else None
+        if self._take(sequence, sequence.token_text.feed(token), logprobs):
+            return
+        if sequence.completion >= params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
+            self._end(sequence, "length")
+
+    def _end(self, sequence: GenSequence, reason: str) -> None:
+        """The sequence is done: what its text still held goes out, then its end."""
+        tail = sequence.token_text.flush()
+        if tail and self._take(sequence, tail, None):
+            return
+        self._flush(sequence, len(sequence.text))
+        self._finish(sequence, reason)
+
+    def _take(self, sequence: GenSequence, chunk: bytes, logprobs: TokenLogprobs | None) -> bool:
+        """Add one token's bytes to the text and send what may go; True when a stop string ended it."""
         sequence.text += chunk
         stops = sequence.params.stop
-        if not stops and chunk and not sequence.held:  # nothing to hold back: the token goes out as it is
-            sequence.sent_bytes += len(chunk)
-            sequence.emit(TokenOut(data=chunk))
-            if sequence.completion >= sequence.params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
-                self._finish(sequence, "length")
-            return
-        sequence.held.append(chunk)
+        if not stops and not sequence.held:  # nothing to hold back: the token goes out as it is
+            if chunk or logprobs is not None:
+                sequence.sent_bytes += len(chunk)
+                sequence.emit(TokenOut(data=chunk, logprobs=logprobs))
+            return False
+        sequence.held.append((chunk, logprobs))
         if stops:
             # Search only where a stop string could newly end: from just before what was sent.
             start = max(0, sequence.sent_bytes - max(len(s) for s in stops) + 1)
@@ -284,27 +364,26 @@ class Scheduler:
             if found:
                 self._flush(sequence, min(found), cut=True)
                 self._finish(sequence, "stop")
-                return
+                return True
         tail = bytes(sequence.text[-max(len(s) for s in stops):]) if stops else b""  # where a stop may start
         self._flush(sequence, len(sequence.text) - _stop_prefix(tail, stops))
-        if sequence.completion >= sequence.params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
-            self._flush(sequence, len(sequence.text))
-            self._finish(sequence, "length")
+        return False
 
     @staticmethod
     def _flush(sequence: GenSequence, upto: int, *, cut: bool = False) -> None:
         """Send held chunks (one token's bytes each) up to byte ``upto`` of the completion; with ``cut``
         the chunk that crosses ``upto`` goes out cut there (the sequence ends at a stop string)."""
-        while sequence.held and sequence.sent_bytes < upto:
-            chunk = sequence.held[0]
+        while sequence.held:
+            chunk, logprobs = sequence.held[0]
             room = upto - sequence.sent_bytes
             if len(chunk) > room:
-                if not cut:
+                if not cut or room <= 0:
                     break
                 chunk = chunk[:room]
             sequence.held.popleft()
             sequence.sent_bytes += len(chunk)
-            sequence.emit(TokenOut(data=chunk))
+            if chunk or logprobs is not None:
+                sequence.emit(TokenOut(data=chunk, logprobs=logprobs))
 
     def _finish(self, sequence: GenSequence, reason: str | None, error: InferGateError | None = None) -> None:
         """Take the sequence out and tell its client how it ended (a cancelled one is told nothing)."""

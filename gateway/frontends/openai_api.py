@@ -53,6 +53,7 @@ from gateway.frontends.openai_codec import (
     final_counts,
     mean_pool,
     model_request,
+    token_logprobs,
     models_json,
     now_s,
     response_id,
@@ -97,6 +98,7 @@ class _Event:
     completion_tokens: int = 0
     # The model's response that completed ``text``: the core hears when its chunk is written.
     response: InferResponse | None = None
+    logprobs: tuple[dict[str, Any], ...] = ()  # the log probabilities of the tokens since the last event
 
 
 Emit = Callable[[_Event], Awaitable[None]]
@@ -210,11 +212,14 @@ class OpenAIApi:
         counts: dict[int, _Event] = {}
 
         async def gather(event: _Event) -> None:
+            choice = choices[event.index]
+            if event.logprobs:
+                choice.logprobs = (choice.logprobs or []) + list(event.logprobs)
             if event.done:
-                choices[event.index].finish_reason = event.finish_reason
+                choice.finish_reason = event.finish_reason
                 counts[event.index] = event
             else:
-                choices[event.index].text += event.text
+                choice.text += event.text
 
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -234,21 +239,29 @@ class OpenAIApi:
         """One choice: the model's stream of token bytes -> text events, then its end."""
         joiner, matcher = TextJoiner(), StopMatcher(g.sampling.stop)
         tokens, reason, prompt_tokens, completion_tokens = 0, None, None, None
+        logprobs: list[dict[str, Any]] = []  # entries not yet sent with a text
+        chars = 0  # the choice's text so far, in characters: where the next token's text starts
         async with aclosing(self._core.stream(infer)) as responses:
             async for response in responses:
                 data = _token(response)
                 tokens += bool(data)
-                text = matcher.feed(joiner.feed(data))
+                piece = joiner.feed(data)
+                if g.sampling.logprobs is not None and (entry := token_logprobs(response)) is not None:
+                    entry["offset"] = chars
+                    logprobs.append(entry)
+                chars += len(piece)
+                text = matcher.feed(piece)
                 if text:
-                    await emit(_Event(index, text, response=response))
+                    await emit(_Event(index, text, response=response, logprobs=tuple(logprobs)))
+                    logprobs.clear()
                 if response.final:
                     reason, prompt_tokens, completion_tokens = final_counts(response)
                 if matcher.stopped:
                     break  # leaving the loop closes the stream: the model's request is cancelled
         text = "" if matcher.stopped else matcher.feed(joiner.flush())
         text += matcher.flush()
-        if text:
-            await emit(_Event(index, text))
+        if text or logprobs:
+            await emit(_Event(index, text, logprobs=tuple(logprobs)))
         if matcher.stopped:
             reason, completion_tokens = "stop", None
         if reason is None:
@@ -275,8 +288,9 @@ class OpenAIApi:
                         stream = await _open_events(request)
                     first = event.index not in started
                     started.add(event.index)
-                    if event.text or (first and g.kind == "chat"):
-                        await stream.write(_sse(chunk_json(g, rid, created, event.index, event.text, first=first)))
+                    if event.text or event.logprobs or (first and g.kind == "chat"):
+                        await stream.write(_sse(chunk_json(g, rid, created, event.index, event.text, first=first,
+                                                           logprobs=event.logprobs)))
                         if event.response is not None:
                             self._core.stream_written(event.response)
                     if event.done:

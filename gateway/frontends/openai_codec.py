@@ -2,7 +2,9 @@
 results -> OpenAI's response, chunk and list shapes.
 
 A completion or chat request becomes a :class:`Generation`: its prompts (a
-chat's messages rendered by ``gateway.frontends.openai_text.render_chat``),
+chat's messages rendered by ``gateway.frontends.openai_text.render_chat``,
+or, to a model with a ``messages`` input, the messages themselves as JSON,
+which its worker renders with the model's own chat template),
 ``n`` choices per prompt, streaming or not, and the :class:`Sampling` every
 choice's request to the model carries. Each choice is one request to the
 model (:func:`model_request`), on the generative contract: inputs
@@ -13,8 +15,14 @@ The model streams one token's bytes per response in ``text_output``; its
 final response's parameters carry ``finish_reason``, ``prompt_tokens`` and
 ``completion_tokens``.
 
-Fields OpenAI defines that are not served here (log probabilities, tools,
-echo, suffix, penalties, logit bias) are refused by name, never ignored.
+Log probabilities (``logprobs``; a chat's ``logprobs`` and ``top_logprobs``)
+go to the model as the request parameter ``logprobs`` (how many
+alternatives); each token's response carries its own as the parameter
+``logprobs`` (JSON: ``token``, ``bytes``, ``logprob``, ``top_logprobs``),
+which :func:`logprobs_json` puts in OpenAI's shape for completions or chat.
+
+Fields OpenAI defines that are not served here (tools, echo, suffix,
+penalties, logit bias) are refused by name, never ignored.
 
 May import: what ``gateway.frontends`` may import.
 """
@@ -29,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 
-from gateway.frontends.openai_text import BadParameter, render_chat
+from gateway.frontends.openai_text import BadParameter, chat_messages, render_chat
 from gateway.types import InferRequest, InferResponse, Tensor
 from protos.codec import DATATYPES, deserialize_bytes_tensor, serialize_bytes_tensor
 from protos.triton_words import ENABLE_EMPTY_FINAL
@@ -40,9 +49,12 @@ TEXT_OUTPUT = "text_output"
 MAX_N = 16
 MAX_STOPS = 4
 DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+LOGPROBS = "logprobs"
+MESSAGES = "messages"
 # Fields of OpenAI's API that are refused when set to anything but their neutral value.
 _UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "audio": (None,),
@@ -60,6 +72,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # an extension (vLLM's too): run to max_tokens, for measurements
+    logprobs: int | None = None  # None: no log probabilities; else how many alternatives each token
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +86,7 @@ class Generation:
     stream: bool
     include_usage: bool
     sampling: Sampling
+    messages: tuple[dict[str, Any], ...] | None = None  # a chat's messages, for a model that renders them
 
     def choices(self) -> list[tuple[int, str, int | None]]:
         """(index, prompt, seed) of every choice: prompt by prompt, ``n`` each; seeds ``seed + i``."""
@@ -91,6 +105,7 @@ class Choice:
     index: int
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # the tokens' entries, when asked for
 
 
 @dataclass(slots=True)
@@ -163,7 +178,21 @@ def _stream(doc: Mapping[str, Any]) -> tuple[bool, bool]:
     return True, bool(options.get("include_usage", False))
 
 
-def _generation(doc: Mapping[str, Any], kind: Kind, prompts: tuple[str, ...], max_tokens: int | None) -> Generation:
+def _logprobs(doc: Mapping[str, Any], kind: Kind) -> int | None:
+    """How many alternatives each token's log probabilities name, or None when not asked for."""
+    if kind == "completion":
+        return _int(doc, "logprobs", 0, MAX_LOGPROBS)
+    wanted = doc.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadParameter("'logprobs' must be true or false", "logprobs")
+    top = _int(doc, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise BadParameter("'top_logprobs' needs 'logprobs' to be true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _generation(doc: Mapping[str, Any], kind: Kind, prompts: tuple[str, ...], max_tokens: int | None,
+                messages: tuple[dict[str, Any], ...] | None = None) -> Generation:
     _refuse_unsupported(doc)
     n = _int(doc, "n", 1, MAX_N)
     stream, include_usage = _stream(doc)
@@ -173,8 +202,8 @@ def _generation(doc: Mapping[str, Any], kind: Kind, prompts: tuple[str, ...], ma
         raise BadParameter("'ignore_eos' must be true or false", "ignore_eos")
     sampling = Sampling(max_tokens=max_tokens, temperature=_number(doc, "temperature", 0.0, 2.0),
                         top_p=_number(doc, "top_p", 0.0, 1.0, low_open=True), seed=seed, stop=_stop(doc),
-                        ignore_eos=ignore_eos)
-    return Generation(kind, _model(doc), prompts, n or 1, stream, include_usage, sampling)
+                        ignore_eos=ignore_eos, logprobs=_logprobs(doc, kind))
+    return Generation(kind, _model(doc), prompts, n or 1, stream, include_usage, sampling, messages)
 
 
 def completion_request(doc: Mapping[str, Any]) -> Generation:
@@ -193,7 +222,8 @@ def chat_request(doc: Mapping[str, Any]) -> Generation:
     max_tokens = _int(doc, "max_completion_tokens", 1, 2**31 - 1)
     if max_tokens is None:
         max_tokens = _int(doc, "max_tokens", 1, 2**31 - 1)
-    return _generation(doc, "chat", (render_chat(doc.get("messages")),), max_tokens)
+    messages = chat_messages(doc.get("messages"))
+    return _generation(doc, "chat", (render_chat(list(messages)),), max_tokens, messages)
 
 
 def _tensor(name: str, datatype: str, values: np.ndarray, batched: bool) -> Tensor:
@@ -206,7 +236,8 @@ def model_request(generation: Generation, prompt: str, seed: int | None, *, inpu
                   batched: bool, request_id: str) -> InferRequest:
     """One choice's request to the model, whose inputs are ``inputs`` (name -> datatype).
 
-    ``batched``: the model has a batch dimension (``max_batch_size > 0``).
+    ``batched``: the model has a batch dimension (``max_batch_size > 0``). A chat to a model with a
+    ``messages`` input sends the messages (JSON), which the model renders with its own template.
     """
     if "text_input" not in inputs:
         raise BadParameter(f"model '{generation.model}' is not a text generation model (it has no input "
@@ -214,8 +245,14 @@ def model_request(generation: Generation, prompt: str, seed: int | None, *, inpu
     s = generation.sampling
     values: dict[str, Any] = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                               "seed": seed}
-    tensors = [_tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_), batched)]
+    if generation.messages is not None and inputs.get(MESSAGES) == "BYTES":
+        text = orjson.dumps(list(generation.messages))
+        tensors = [_tensor(MESSAGES, "BYTES", np.array([text], dtype=np.object_), batched)]
+    else:
+        tensors = [_tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_), batched)]
     parameters: dict[str, Any] = {ENABLE_EMPTY_FINAL: True}
+    if s.logprobs is not None:
+        parameters[LOGPROBS] = s.logprobs
     if s.ignore_eos:
         parameters["ignore_eos"] = True
     for name, value in values.items():
@@ -249,6 +286,44 @@ def token_bytes(response: InferResponse) -> bytes:
     return b""
 
 
+def token_logprobs(response: InferResponse) -> dict[str, Any] | None:
+    """The log probabilities a token's response carries (its parameter ``logprobs``), or None."""
+    value = response.parameters.get(LOGPROBS)
+    if not isinstance(value, str):
+        return None
+    try:
+        entry = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _top_dict(entry: Mapping[str, Any]) -> dict[str, float]:
+    """A completion's alternatives, token text -> log probability; of tokens with the same text
+    (parts of characters) the likeliest is kept."""
+    top: dict[str, float] = {}
+    for t in entry.get("top_logprobs", ()):
+        top.setdefault(t.get("token", ""), t.get("logprob", 0.0))
+    return top
+
+
+def logprobs_json(g: Generation, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Tokens' log probabilities in OpenAI's shape: a chat's ``content`` list, a completion's
+    parallel lists (``text_offset`` from each entry's ``offset`` in the choice's text)."""
+    if g.sampling.logprobs is None:
+        return None
+    if g.kind == "chat":
+        def item(e: Mapping[str, Any]) -> dict[str, Any]:
+            return {"token": e.get("token", ""), "logprob": e.get("logprob", 0.0), "bytes": e.get("bytes")}
+
+        return {"content": [{**item(e), "top_logprobs": [item(t) for t in e.get("top_logprobs", ())]}
+                            for e in entries], "refusal": None}
+    return {"tokens": [e.get("token", "") for e in entries],
+            "token_logprobs": [e.get("logprob", 0.0) for e in entries],
+            "top_logprobs": [_top_dict(e) for e in entries],
+            "text_offset": [e.get("offset", 0) for e in entries]}
+
+
 def final_counts(response: InferResponse) -> tuple[str | None, int | None, int | None]:
     """``finish_reason``, ``prompt_tokens``, ``completion_tokens`` of a final response (None: not sent)."""
     params = response.parameters
@@ -273,17 +348,19 @@ def now_s() -> int:
 def completion_json(g: Generation, rid: str, created: int, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
     """The whole answer of a request that does not stream."""
     if g.kind == "chat":
-        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                 "finish_reason": c.finish_reason} for c in choices]
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": logprobs_json(g, c.logprobs or ()), "finish_reason": c.finish_reason} for c in choices]
         return {"id": rid, "object": "chat.completion", "created": created, "model": g.model, "choices": body,
                 "usage": usage.json()}
-    body = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
+    body = [{"index": c.index, "text": c.text, "logprobs": logprobs_json(g, c.logprobs or ()),
+             "finish_reason": c.finish_reason} for c in choices]
     return {"id": rid, "object": "text_completion", "created": created, "model": g.model, "choices": body,
             "usage": usage.json()}
 
 
 def chunk_json(g: Generation, rid: str, created: int, index: int, text: str | None,
-               finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+               finish_reason: str | None = None, *, first: bool = False,
+               logprobs: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
     """One streamed chunk of choice ``index``: new ``text``, or its end (``finish_reason``).
 
     A chat's first chunk of a choice carries the assistant's role; its last an
@@ -292,11 +369,13 @@ def chunk_json(g: Generation, rid: str, created: int, index: int, text: str | No
     if g.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else \
             ({"content": text} if text is not None else {})
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs_json(g, logprobs) if text or logprobs else None,
+                                  "finish_reason": finish_reason}
         doc = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": g.model,
                "choices": [choice]}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs_json(g, logprobs) if text or logprobs else None,
+                  "finish_reason": finish_reason}
         doc = {"id": rid, "object": "text_completion", "created": created, "model": g.model, "choices": [choice]}
     if g.include_usage:
         doc["usage"] = None

@@ -1,9 +1,11 @@
 """Text of the OpenAI-compatible API: the chat template, token bytes joined into
 text, and stop strings.
 
-- :func:`render_chat` turns chat ``messages`` into the one prompt a
-  completion model reads (the template is documented in docs/openai.md and
-  is the only one: a model of its own chat format is not served here).
+- :func:`chat_messages` checks chat ``messages`` and gives them plain
+  (``developer`` as ``system``, text parts joined): what a model with a
+  ``messages`` input renders with its own chat template on its worker;
+- :func:`render_chat` turns them into the one prompt a model without one
+  reads (the template documented in docs/openai.md).
 - :class:`TextJoiner` joins the bytes of streamed tokens with an incremental
   UTF-8 decoder, so a character whose bytes arrive in several tokens comes
   out whole, in the chunk that completes it; invalid bytes become U+FFFD.
@@ -55,15 +57,12 @@ def _content_text(content: Any, where: str) -> str:
     raise BadParameter(f"{where}: content must be a string or a list of text parts", "messages")
 
 
-def render_chat(messages: Any) -> str:
-    """The prompt of ``messages``: each as ``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n``.
-
-    A ``developer`` message renders as ``system``. The model continues after
-    the last line, as the assistant.
-    """
+def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """``messages`` checked, each as ``{"role", "content"}`` plus its other fields (``name``,
+    ``tool_calls``, ...) as sent; ``developer`` becomes ``system``, text parts one string."""
     if not isinstance(messages, list) or not messages:
         raise BadParameter("'messages' must be a non-empty list of messages", "messages")
-    lines: list[str] = []
+    plain: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
@@ -71,9 +70,18 @@ def render_chat(messages: Any) -> str:
         role = message.get("role")
         if role not in ROLES:
             raise BadParameter(f"{where}: role must be one of {', '.join(ROLES)}; got {role!r}", "messages")
-        if role == "developer":
-            role = "system"
-        lines.append(f"<|{role}|>\n{_content_text(message.get('content'), where)}\n")
+        plain.append({**message, "role": "system" if role == "developer" else role,
+                      "content": _content_text(message.get("content"), where)})
+    return tuple(plain)
+
+
+def render_chat(messages: Any) -> str:
+    """The prompt of ``messages``: each as ``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n``.
+
+    A ``developer`` message renders as ``system``. The model continues after
+    the last line, as the assistant.
+    """
+    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in chat_messages(messages)]
     lines.append("<|assistant|>\n")
     return "".join(lines)
 

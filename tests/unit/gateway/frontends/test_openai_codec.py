@@ -8,11 +8,12 @@ from __future__ import annotations
 import base64
 
 import numpy as np
+import orjson
 import pytest
 
 from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL
 from gateway.frontends.openai_codec import (
-
+    LOGPROBS,
     Choice,
     Usage,
     chat_request,
@@ -22,10 +23,12 @@ from gateway.frontends.openai_codec import (
     embedding_request,
     embeddings_json,
     final_counts,
+    logprobs_json,
     mean_pool,
     model_request,
     models_json,
     token_bytes,
+    token_logprobs,
     usage_chunk_json,
 )
 from gateway.frontends.openai_text import BadParameter
@@ -111,7 +114,7 @@ def test_chat_prefers_max_completion_tokens_and_renders_the_prompt() -> None:
     ({"model": "lm", "prompt": "x", "stop": 3}, "stop"),
     ({"model": "lm", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "lm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": "lm", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "lm", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "lm", "prompt": "x", "echo": True}, "echo"),
     ({"model": "lm", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "lm", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -134,6 +137,45 @@ def _response(parameters: dict, data: bytes | None = None, final: bool = False) 
     outputs = [] if data is None else [
         Tensor("text_output", "BYTES", (1,), serialize_bytes_tensor(np.array([data], dtype=np.object_)))]
     return InferResponse(model="lm", version="1", id="r", outputs=outputs, parameters=parameters, final=final)
+
+
+def test_a_chat_to_a_model_with_a_messages_input_sends_the_messages_for_its_own_template() -> None:
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hé"}, {"type": "text", "text": "llo"}]}]
+    g = chat_request({"model": "lm", "messages": messages})
+    own = model_request(g, g.prompts[0], None, inputs={**LM, "messages": "BYTES"}, batched=False, request_id="r")
+    [sent] = deserialize_bytes_tensor(_inputs(own)["messages"].data).tolist()
+    assert "text_input" not in _inputs(own)
+    assert orjson.loads(sent) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
+    rendered = model_request(g, g.prompts[0], None, inputs=LM, batched=False, request_id="r")
+    assert deserialize_bytes_tensor(_inputs(rendered)["text_input"].data).tolist() == [
+        b"<|system|>\nBe brief.\n<|user|>\nh\xc3\xa9llo\n<|assistant|>\n"]
+
+
+def test_logprobs_go_to_the_model_as_a_parameter_and_come_back_in_openais_shapes() -> None:
+    g = completion_request({"model": "lm", "prompt": "x", "logprobs": 2})
+    assert model_request(g, "x", None, inputs=LM, batched=False, request_id="r").parameters[LOGPROBS] == 2
+    chat = chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                         "top_logprobs": 1})
+    assert chat.sampling.logprobs == 1
+    assert chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}]}).sampling.logprobs is None
+    entry = {"token": "é", "bytes": [195, 169], "logprob": -0.5,
+             "top_logprobs": [{"token": "é", "bytes": [195, 169], "logprob": -0.5},
+                              {"token": "\ufffd", "bytes": [195], "logprob": -1.5},
+                              {"token": "\ufffd", "bytes": [196], "logprob": -2.5}], "offset": 3}
+    response = InferResponse(model="lm", version="1", id="r", outputs=[],
+                             parameters={LOGPROBS: orjson.dumps(entry).decode()})
+    assert token_logprobs(response) == entry
+    assert logprobs_json(g, [entry]) == {"tokens": ["é"], "token_logprobs": [-0.5], "text_offset": [3],
+                                         "top_logprobs": [{"é": -0.5, "\ufffd": -1.5}]}  # same text: the likelier
+    assert logprobs_json(chat, [entry])["content"][0]["top_logprobs"][1] == {"token": "\ufffd", "bytes": [195],
+                                                                            "logprob": -1.5}
+    assert logprobs_json(completion_request({"model": "lm", "prompt": "x"}), [entry]) is None
+    for doc, param in [({"logprobs": 21}, "logprobs"), ({"logprobs": "yes"}, "logprobs"),
+                       ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
+        with pytest.raises(BadParameter) as caught:
+            chat_request({"model": "lm", "messages": [{"role": "user", "content": "x"}], **doc})
+        assert caught.value.param == param
 
 
 def test_token_bytes_and_final_counts_are_read_from_responses() -> None:
