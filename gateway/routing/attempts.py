@@ -148,11 +148,12 @@ class AttemptRace(Generic[_W, _R]):
         self._won = False
         self._give_up_inline = False
 
-    async def run(self) -> _R:
+    async def run(self, first: _W | None = None) -> _R:
+        """The call's one answer; ``first``: the replica of the first attempt, when the router picked it already."""
         budget = self._policy.budget
         budget.call_started()
         try:
-            worker = await self._acquire(self._tried)
+            worker = first if first is not None else await self._acquire(self._tried)
             answered, response = await self._first(worker)
             if answered:
                 return response  # type: ignore[return-value]

@@ -187,23 +187,17 @@ class Router:
                 starting = False
                 capacity.starting -= 1
 
-        async def acquire(avoid: set[WorkerState]) -> WorkerState:
-            nonlocal first
-            if first is not None:  # picked above, with no await since: its slot is still free
-                worker, first = first, None
-                return worker
-            return await self._acquire(model, version, deadline, avoid)
-
         tries = self.tries
         race: AttemptRace[WorkerState, service_pb2.ModelInferResponse] = AttemptRace(
             self.attempts, model, deadline,
-            acquire=acquire,
+            acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
             send=lambda worker: tries.infer(worker, model, version, request, deadline, slot_taken),
             rows=rows_of(request),
         )
         try:
-            return await race.run()
+            # The first replica is chosen here, with no await between a pick above and its send.
+            return await race.run(first or await self._acquire(model, version, deadline, set()))
         finally:
             slot_taken()
 
@@ -225,7 +219,7 @@ class Router:
             speculative=False,
             discard=OpenStream.close,
         )
-        opened = await race.run()
+        opened = await race.run(await self._acquire(model, version, deadline, set()))
         try:
             yield opened.first
             async for item in opened.rest():

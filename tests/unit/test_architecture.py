@@ -13,13 +13,18 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Mapping, Sequence
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("infergate", "gateway", "workers", "execution", "splitter", "batchjobs", "serverkit", "protos", "loadtest", "models")
-MAX_LINES = 450
+# A module holds one concept, as long as that concept needs (docs/architecture.md, "Modules"):
+# past WARN_LINES it usually holds two, and the suite says so without failing; past MAX_LINES
+# it certainly does.
+WARN_LINES = 600
+MAX_LINES = 1000
 # Who may not import whom (importer package -> forbidden packages).
 FORBIDDEN = {
     "gateway": {"workers", "loadtest", "batchjobs"},
@@ -229,15 +234,19 @@ def test_gateway_imports_run_down_its_layers() -> None:
     assert not bad, "imports against the layers of gateway/__init__.py:\n" + "\n".join(bad)
 
 
-def test_modules_stay_small() -> None:
-    big = []
-    for name, path in project_modules().items():
-        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-            continue
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
-            big.append(f"{name}: {lines} lines")
-    assert not big, f"modules over {MAX_LINES} lines:\n" + "\n".join(big)
+def module_lengths() -> dict[str, int]:
+    return {name: len(path.read_text().splitlines()) for name, path in project_modules().items()
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+
+
+def test_modules_hold_one_concept() -> None:
+    lengths = module_lengths()
+    long = [f"{name}: {n} lines" for name, n in sorted(lengths.items()) if WARN_LINES < n <= MAX_LINES]
+    if long:
+        warnings.warn(f"modules over {WARN_LINES} lines, each likely two concepts (see docs/architecture.md, "
+                      "Modules):\n" + "\n".join(long), stacklevel=1)
+    too_long = [f"{name}: {n} lines" for name, n in sorted(lengths.items()) if n > MAX_LINES]
+    assert not too_long, f"modules over {MAX_LINES} lines:\n" + "\n".join(too_long)
 
 
 def test_test_files_stay_small() -> None:
