@@ -322,7 +322,7 @@ class SecuritySettings:
 
 @dataclass(frozen=True, slots=True)
 class LocalSettings:
-    """Local execution (gateway/fleet/local_replica.py, ``infergate serve``): with
+    """Local execution (gateway/replicas/local.py, ``infergate serve``): with
     ``enabled``, the models of ``model_repository`` run in the gateway process, one
     more replica beside any workers. The rest as the worker's flags of the same
     names (0 / "" = the worker's defaults)."""

@@ -23,8 +23,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.frontends.grpc_errors import unary_edge
 from gateway.frontends.grpc_health import HealthServicer
-from gateway.frontends.grpc_streams import StreamSession, apply_client_deadline
-from gateway.frontends.grpc_wire import decode_infer_request, encode_infer_response
+from gateway.frontends.grpc_streams import StreamSession
+from gateway.frontends.grpc_wire import apply_client_deadline, decode_infer_request, encode_infer_response
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry, advertise

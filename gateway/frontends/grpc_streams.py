@@ -30,22 +30,12 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from gateway.frontends.grpc_errors import abort, as_error, stream_error
-from gateway.frontends.grpc_wire import decode_infer_request, encode_infer_response, param_value
+from gateway.frontends.grpc_wire import apply_client_deadline, decode_infer_request, encode_infer_response, param_value
 from protos.triton_words import ENABLE_EMPTY_FINAL as EMPTY_FINAL, set_final
 from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.types import InferenceCore, InferRequest, InferResponse
 from protos.errors import Cancelled
-
-
-def apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
-    """Tighten the request's deadline to the client's gRPC deadline, on the loop clock."""
-    remaining = context.time_remaining()
-    if remaining is None:
-        return
-    if request.timeout_us and request.timeout_us / 1e6 <= remaining:
-        return  # the request's own timeout is tighter; the core applies it
-    request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)
 
 
 class _Out(NamedTuple):

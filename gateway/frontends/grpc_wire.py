@@ -6,9 +6,11 @@ parameters, requested outputs) and :class:`InferResponse` ->
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from tritonclient.grpc import service_pb2
 
 from gateway.requests.classification import PARAMETER as CLASSIFICATION
@@ -205,3 +207,13 @@ def encode_infer_response(
         return wire.RawInferResponse(pb, raws)
     pb.raw_output_contents.extend(r if isinstance(r, bytes) else bytes(r) for r in raws)
     return pb
+
+
+def apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
+    """Tighten the request's deadline to the client's gRPC deadline, on the loop clock."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return
+    if request.timeout_us and request.timeout_us / 1e6 <= remaining:
+        return  # the request's own timeout is tighter; the core applies it
+    request.deadline = asyncio.get_running_loop().time() + max(0.0, remaining)

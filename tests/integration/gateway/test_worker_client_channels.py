@@ -1,4 +1,4 @@
-"""gateway/fleet/worker_client.py against a real grpc.aio server on 127.0.0.1:
+"""gateway/replicas/worker_client.py against a real grpc.aio server on 127.0.0.1:
 probes travel on a connection of their own, so they never wait behind a bulk
 transfer, and answer while a large request is still in flight."""
 

@@ -1,6 +1,6 @@
-"""Tests for gateway/fleet/local_replica.py: a repository's models run in this
+"""Tests for gateway/replicas/local.py: a repository's models run in this
 process behind the worker client's interface: the index, a decoupled model's
-stream (gateway/fleet/local_stream.py), inference equal to the model, a request's fault kept a
+stream (gateway/replicas/in_process.py), inference equal to the model, a request's fault kept a
 request's fault, load with an override, unload, a model that fails to load
 leaving the others served, statistics, and close."""
 

@@ -1,4 +1,4 @@
-"""Tests for gateway/fleet/worker_client.py's reading of a worker's errors: which
+"""Tests for gateway/replicas/worker_client.py's reading of a worker's errors: which
 failures are the worker's, the request's, load, or the replica leaving."""
 
 from __future__ import annotations
