@@ -46,7 +46,7 @@ from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster, ClientFactory
 from gateway.fleet.local_replica import LOCAL_SPEC, LocalOptions, LocalReplica
-from gateway.fleet.manager import Fleet, PlacementFactory
+from gateway.fleet.manager import Fleet
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
 from gateway.frontends.log_settings import LogSettings
@@ -75,6 +75,8 @@ from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError
 
+# (the config, the cluster, the fleet's registry) -> the placement controller of a setup.
+PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementController]
 # (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
 TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSettings]
 
@@ -83,7 +85,7 @@ TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSetti
 class Seams:
     """What a setup supplies in place of the single-process parts; the defaults are one process's."""
 
-    placement: PlacementFactory | None = None  # None: the fleet's own ``PlacementController``
+    placement: PlacementFactory | None = None  # None: this process's own ``PlacementController`` (``build_placement``)
     statistics: StatisticsScope = LocalStatistics()
     control: ModelControl = LocalModelControl()
     trace_settings: TraceSettingsFactory | None = None  # None: ``TraceSettings`` of this process alone
@@ -118,7 +120,8 @@ def group_seams(group: ProcessGroup, replicator: Replicator, local: LocalReplica
     are summed over the processes, the leader acts on repository control, trace settings are replicated."""
 
     def follower(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
-        return FollowerPlacement(config, cluster, registry, group)
+        return FollowerPlacement(cluster, registry, group, settings=config.placement, autoscale=config.autoscale,
+                                 models=config.models, model_repository=config.model_repository)
 
     def trace_settings(trace: TraceConfig, known_model: Callable[[str], bool]) -> TraceSettings:
         return GroupTraceSettings(trace, known_model, replicator)
@@ -142,11 +145,13 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     async def run_step(request: InferRequest) -> InferResponse:  # an ensemble's step: a request of its own
         return await gateway.run_request(request)
 
-    trace = trace_config(config)
+    trace = trace_config(config.extra)
     settings = (seams.trace_settings(trace, known_model) if seams.trace_settings is not None
                 else TraceSettings(trace, known_model=known_model))
     # Logical models split across workers (config `models.<name>.from/path`).
-    parallel = ParallelModels(config, cluster, router)
+    parallel = ParallelModels(config.logical_models(), cluster, router, model_repository=config.model_repository,
+                              max_inflight_per_replica=config.batching.max_inflight_per_replica)
+    make_placement = seams.placement or build_placement
     parts = GatewayParts(
         config=config,
         cluster=cluster,
@@ -154,7 +159,8 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
         admission=Admission(config.admission),
         parallel=parallel,
         decoders=SplitDecoders(parallel),
-        fleet=Fleet(config, cluster, token=worker_token(config), placement=seams.placement),
+        fleet=Fleet(cluster, lambda c, registry: make_placement(config, c, registry), workers=config.workers,
+                    worker_dns=config.worker_dns, membership=config.membership, token=worker_token(config.security)),
         batchers=Batchers(batch_policy_for(config)),
         stats=GatewayStats(),
         latency=LatencyHistograms(),
@@ -173,6 +179,12 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     return gateway
 
 
+def build_placement(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
+    """This process's own placement controller (a follower among several processes has its own: ``group_seams``)."""
+    return PlacementController(cluster, registry, settings=config.placement, autoscale=config.autoscale,
+                               models=config.models, model_repository=config.model_repository)
+
+
 def build_local(config: GatewayConfig) -> LocalReplica | None:
     """The local replica of ``local.enabled``: the repository's models, loaded when the app starts it."""
     if not config.local.enabled:
@@ -186,7 +198,9 @@ def build_local(config: GatewayConfig) -> LocalReplica | None:
 
 
 def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:
-    remote: ClientFactory = worker_client_factory(config)  # with the worker token and TLS, when configured
+    # With the worker token and TLS, when configured.
+    remote: ClientFactory = worker_client_factory(config.security, stream_calls=config.worker_calls == "stream",
+                                                  packed_streams=config.worker_streams == "packed")
 
     def factory(spec: WorkerSpec) -> WorkerClient:  # the local replica answers as a worker client does
         return cast(WorkerClient, local) if local is not None and spec == LOCAL_SPEC else remote(spec)

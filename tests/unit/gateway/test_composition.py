@@ -8,7 +8,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2
 
 from gateway.batching.registry import Batchers
-from gateway.composition import Seams, build_cluster, build_gateway, compose, group_seams
+from gateway.composition import Seams, build_cluster, build_gateway, build_placement, compose, group_seams
 from gateway.core import Gateway, LocalModelControl, LocalStatistics
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.placement import PlacementController
@@ -62,7 +62,7 @@ def test_a_placement_passed_in_is_the_one_used() -> None:
     made: list[PlacementController] = []
 
     def placement(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
-        made.append(PlacementController(config, cluster, registry))
+        made.append(build_placement(config, cluster, registry))
         return made[-1]
 
     gateway = build_gateway(GatewayConfig(), seams=Seams(placement=placement))
