@@ -6,6 +6,9 @@ anything starts) -> cluster (first probe) -> core -> gRPC server -> HTTP site
 Stop (SIGTERM/SIGINT): health NOT_SERVING -> stop accepting new connections
 -> let queued and in-flight requests finish within the grace period -> close
 the rest -> close worker channels. A second signal forces exit.
+
+Process wiring above the composition root: it reads the whole config (ports,
+limits, security, which parts start) and hands the parts below only theirs.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         **security_overrides(args),
         **local_overrides(args),
     )
-    trace_config(config)  # a bad --trace-config entry stops here, with its reason
+    trace_config(config.extra)  # a bad --trace-config entry stops here, with its reason
     return config
 
 
@@ -214,11 +217,11 @@ async def start_gateway(
     observability and drain routes answer for the whole gateway, and the internal peer endpoint is served too.
     """
     # Keys and certificates are read before anything starts: a bad file stops here.
-    security = GatewaySecurity.from_config(config)
+    security = GatewaySecurity.from_settings(config.security, config.host)
     composed = compose(config, group)
     gateway = composed.gateway
     # trace_mode opentelemetry: this process's spans go to the configured OTLP endpoint.
-    tracing.install("infergate-gateway", trace_config(config))
+    tracing.install("infergate-gateway", trace_config(config.extra))
     if composed.local is not None:  # its models loaded (and warmed up) before the cluster's first probe reads them
         await composed.local.start()
     await gateway.start()
@@ -270,7 +273,9 @@ async def start_gateway(
         add_drain_routes(app, LocalDrains(gateway), default_timeout_s=config.placement.drain_timeout_s)
     else:
         assert composed.replicator is not None
-        views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls, composed.local)
+        views = GroupViews(gateway, group, composed.replicator, worker_metrics_urls, composed.local,
+                           default_timeout_s=config.default_timeout_s,
+                           drain_timeout_s=config.placement.drain_timeout_s)
         devices = views.devices
         add_group_routes(app, views)
         peer_runner = web.AppRunner(internal_app(views), access_log=None, handle_signals=False)

@@ -3,7 +3,11 @@
 ``build_gateway`` reads the config, builds the parts (cluster, router,
 admission, split models, fleet with its placement, batchers, statistics,
 latency, sequences, response cache, ensembles, label files, tracing) and
-hands them to ``gateway.core.Gateway``, which builds none of its own. Where
+hands each core part (``Gateway``, ``ModelCatalog``, ``RequestPipeline``,
+``StreamPath``) the parts it calls and the settings it reads
+(``core_settings``); no record of everything is passed, and no module below
+reads the whole config: each is given its settings group or a few values.
+The core builds none of its own parts. Where
 a setup differs, it passes different parts through the same seams
 (``Seams``) instead of subclassing or patching the core: several gateway
 processes (``gateway.multiproc``) supply a follower's placement, statistics
@@ -38,14 +42,14 @@ from tritonclient.grpc import model_config_pb2
 from gateway.batching.policy import BatchPolicy
 from gateway.batching.registry import Batchers, PolicyFor
 from gateway.caching.response_cache import ResponseCache
-from gateway.core import Gateway, GatewayParts, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
+from gateway.core import CoreSettings, Gateway, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
 from gateway.core.models import ModelCatalog
 from gateway.core.pipeline import RequestPipeline
 from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster, ClientFactory
 from gateway.replicas.local import LOCAL_SPEC, LocalOptions, LocalReplica
-from gateway.fleet.manager import Fleet, PlacementFactory
+from gateway.fleet.manager import Fleet
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
 from gateway.frontends.log_settings import LogSettings
@@ -55,6 +59,7 @@ from gateway.multiproc.peers import ProcessGroup
 from gateway.multiproc.replicated import GroupLogSettings, GroupRegions, GroupTraceSettings, Replicator
 from gateway.observability.latency import LatencyHistograms
 from gateway.observability.stats import GatewayStats
+from gateway.observability.streams import StreamStats
 from gateway.observability.trace_settings import TraceConfig, TraceSettings, trace_config
 from gateway.observability.tracing import RequestTracing
 from gateway.parallel.generation import SplitDecoders
@@ -74,6 +79,8 @@ from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InferGateError
 
+# (the config, the cluster, the fleet's registry) -> the placement controller of a setup.
+PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementController]
 # (the config's trace settings, whether a model name is known) -> the trace settings the frontends serve.
 TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSettings]
 
@@ -82,7 +89,7 @@ TraceSettingsFactory = Callable[[TraceConfig, Callable[[str], bool]], TraceSetti
 class Seams:
     """What a setup supplies in place of the single-process parts; the defaults are one process's."""
 
-    placement: PlacementFactory | None = None  # None: the fleet's own ``PlacementController``
+    placement: PlacementFactory | None = None  # None: this process's own ``PlacementController`` (``build_placement``)
     statistics: StatisticsScope = LocalStatistics()
     control: ModelControl = LocalModelControl()
     trace_settings: TraceSettingsFactory | None = None  # None: ``TraceSettings`` of this process alone
@@ -117,7 +124,8 @@ def group_seams(group: ProcessGroup, replicator: Replicator, local: LocalReplica
     are summed over the processes, the leader acts on repository control, trace settings are replicated."""
 
     def follower(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
-        return FollowerPlacement(config, cluster, registry, group)
+        return FollowerPlacement(cluster, registry, group, settings=config.placement, autoscale=config.autoscale,
+                                 models=config.models, model_repository=config.model_repository)
 
     def trace_settings(trace: TraceConfig, known_model: Callable[[str], bool]) -> TraceSettings:
         return GroupTraceSettings(trace, known_model, replicator)
@@ -126,11 +134,25 @@ def group_seams(group: ProcessGroup, replicator: Replicator, local: LocalReplica
                  control=GroupModelControl(group, local), trace_settings=trace_settings, process_index=group.index)
 
 
+def core_settings(config: GatewayConfig) -> CoreSettings:
+    """What the core reads of the config."""
+    return CoreSettings(
+        server_name=config.server_name,
+        strict_readiness=config.strict_readiness,
+        model_control_mode=config.model_control_mode,
+        shutdown_grace_s=config.shutdown_grace_s,
+        default_timeout_s=config.default_timeout_s,
+        cluster_join_wait_s=config.probe.timeout_s,  # a joining worker's first probe, at most
+    )
+
+
 def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, router: Router | None = None,
                   seams: Seams = Seams(), local: LocalReplica | None = None) -> Gateway:
-    """The gateway of ``config``: every part built here (``cluster`` and ``router`` may be given), then the core.
+    """The gateway of ``config``: every part built here (``cluster`` and ``router`` may be given), then the core,
+    each core part handed the parts it calls.
 
     ``local``: a replica in this process, one more member of the cluster, tried first by the router."""
+    settings = core_settings(config)
     cluster = cluster or build_cluster(config, local)
     router = router or build_router(config, cluster, local_first=local is not None)
     gateway: Gateway  # bound at the end: two parts call back into the gateway, through these two functions
@@ -141,35 +163,43 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     async def run_step(request: InferRequest) -> InferResponse:  # an ensemble's step: a request of its own
         return await gateway.run_request(request)
 
-    trace = trace_config(config)
-    settings = (seams.trace_settings(trace, known_model) if seams.trace_settings is not None
-                else TraceSettings(trace, known_model=known_model))
+    trace = trace_config(config.extra)
+    trace_settings = (seams.trace_settings(trace, known_model) if seams.trace_settings is not None
+                      else TraceSettings(trace, known_model=known_model))
+    tracing = RequestTracing(trace_settings, process_index=seams.process_index)
     # Logical models split across workers (config `models.<name>.from/path`).
-    parallel = ParallelModels(config, cluster, router)
-    parts = GatewayParts(
-        config=config,
-        cluster=cluster,
-        router=router,
-        admission=Admission(config.admission),
-        parallel=parallel,
-        decoders=SplitDecoders(parallel),
-        fleet=Fleet(config, cluster, token=worker_token(config), placement=seams.placement),
-        batchers=Batchers(batch_policy_for(config)),
-        stats=GatewayStats(),
-        latency=LatencyHistograms(),
-        sequences=SequenceRoutes(cluster, router),
-        cache=ResponseCache(config.cache.size_bytes),
-        ensembles=Ensembles(run_step),
+    parallel = ParallelModels(config.logical_models(), cluster, router, model_repository=config.model_repository,
+                              max_inflight_per_replica=config.batching.max_inflight_per_replica)
+    decoders = SplitDecoders(parallel)  # split generation models: their decoding loops run here
+    make_placement = seams.placement or build_placement
+    fleet = Fleet(cluster, lambda c, registry: make_placement(config, c, registry), workers=config.workers,
+                  worker_dns=config.worker_dns, membership=config.membership, token=worker_token(config.security))
+    batchers = Batchers(batch_policy_for(config))  # one batcher per (model, version), made on its first request
+    stats, latency = GatewayStats(), LatencyHistograms()
+    sequences = SequenceRoutes(cluster, router)  # stateful models: each sequence pinned to the worker holding it
+    cache = ResponseCache(config.cache.size_bytes)  # Triton's response cache (off at cache_size 0)
+    ensembles = Ensembles(run_step)
+    models = ModelCatalog(cluster, parallel, fleet.placement, ensembles, default_timeout_s=settings.default_timeout_s,
+                          cluster_join_wait_s=settings.cluster_join_wait_s)
+    streaming = StreamPath(PrefixStreamRouting(router, in_process=decoders), StreamStats(), stats=stats,
+                           latency=latency)
+    pipeline = RequestPipeline(
+        models, streaming, admission=Admission(config.admission), cluster=cluster, router=router, parallel=parallel,
+        placement=fleet.placement, batchers=batchers, sequences=sequences, cache=cache, ensembles=ensembles,
         # Label files of the classification extension, read from the repository the gateway knows.
-        labels=LabelFiles(config.model_repository),
-        tracing=RequestTracing(settings, process_index=seams.process_index),
-        statistics=seams.statistics,
-        control=seams.control,
-    )
-    models = ModelCatalog(parts)
-    streaming = StreamPath(parts, PrefixStreamRouting(parts.router, in_process=parts.decoders), parts.streams)
-    gateway = Gateway(parts, models, RequestPipeline(parts, models, streaming))
+        labels=LabelFiles(config.model_repository), tracing=tracing, stats=stats, latency=latency,
+        default_timeout_s=settings.default_timeout_s)
+    gateway = Gateway(
+        settings, models, pipeline, cluster=cluster, router=router, fleet=fleet, parallel=parallel, decoders=decoders,
+        batchers=batchers, sequences=sequences, cache=cache, ensembles=ensembles, stats=stats, latency=latency,
+        tracing=tracing, statistics=seams.statistics, control=seams.control)
     return gateway
+
+
+def build_placement(config: GatewayConfig, cluster: Cluster, registry: Registry) -> PlacementController:
+    """This process's own placement controller (a follower among several processes has its own: ``group_seams``)."""
+    return PlacementController(cluster, registry, settings=config.placement, autoscale=config.autoscale,
+                               models=config.models, model_repository=config.model_repository)
 
 
 def build_local(config: GatewayConfig) -> LocalReplica | None:
@@ -185,7 +215,9 @@ def build_local(config: GatewayConfig) -> LocalReplica | None:
 
 
 def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:
-    remote: ClientFactory = worker_client_factory(config)  # with the worker token and TLS, when configured
+    # With the worker token and TLS, when configured.
+    remote: ClientFactory = worker_client_factory(config.security, stream_calls=config.worker_calls == "stream",
+                                                  packed_streams=config.worker_streams == "packed")
 
     def factory(spec: WorkerSpec) -> Replica:  # the local replica is one more replica, in this process
         return local if local is not None and spec == LOCAL_SPEC else remote(spec)

@@ -343,6 +343,11 @@ class LocalSettings:
         _positive("local", self, "max_queue_size")
 
 
+def logical_models(models: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The logical models (split across workers) among the `models` entries: those with a `from:` or `path:` key."""
+    return {name: s for name, s in models.items() if "from" in s or "path" in s}
+
+
 # The groups, by the name each has in the config file and on GatewayConfig.
 GROUPS: dict[str, type] = {
     "batching": BatchingSettings, "cache": CacheSettings, "probe": ProbeSettings, "retry": RetrySettings,
@@ -409,4 +414,4 @@ class GatewayConfig:
 
     def logical_models(self) -> dict[str, Mapping[str, Any]]:
         """Logical models (split across workers): entries with a `from:` or `path:` key."""
-        return {name: s for name, s in self.models.items() if "from" in s or "path" in s}
+        return logical_models(self.models)

@@ -8,6 +8,7 @@ probes bring it back into rotation. Ctrl-C/SIGTERM stops the gateway first
 first and the workers join it by registering (``infergate worker --gateway``),
 as a fleet does. With ``--local`` the gateway runs the repository's models
 itself too, first in each model's rotation (``--workers 0``: it alone).
+Process wiring above the composition root: it reads the whole config.
 
 Before anything starts, the gateway's two ports are checked: a taken one (or
 both) is one line naming each, and no worker is started. The workers' shared
@@ -227,11 +228,11 @@ async def _serve_from(workdir: Path, args: argparse.Namespace, config: GatewayCo
     token_file: Path | None = None
     if not args.no_worker_token:
         # One token for both sides, so only this gateway can drive these workers.
-        token_file = local_worker_token(workdir, config)
+        token_file = local_worker_token(workdir, config.security)
         worker_args += ["--auth-token-file", str(token_file)]
         config = replace(config, security=replace(config.security, worker_token_file=str(token_file)))
     # Workers export their spans to the gateway's OpenTelemetry endpoint.
-    worker_args += [f"--trace-config={entry}" for entry in trace_config(config).worker_entries()]
+    worker_args += [f"--trace-config={entry}" for entry in trace_config(config.extra).worker_entries()]
     workers = [LocalWorker(i, args.model_repository, worker_args, workdir) for i in range(args.workers)]
     supervisors: set[asyncio.Task[None]] = set()
     running = None

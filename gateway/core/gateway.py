@@ -1,7 +1,8 @@
 """The gateway's core: what both frontends call (``Gateway``, the ``InferenceCore``).
 
 ``Gateway`` builds none of its parts: ``gateway.composition`` builds them from
-the config and hands them in (``GatewayParts``). Inference goes through the
+the config and hands in the ones it calls, with the settings it reads
+(``CoreSettings``). Inference goes through the
 request path in ``gateway.core.pipeline`` (read it first: its docstring walks
 one request through every step); model resolution is ``gateway.core.models``.
 Here: start and stop in order, health, metadata, statistics and repository
@@ -21,14 +22,26 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway import __version__
 from gateway.batching.batcher import Batcher
-from gateway.caching.response_cache import fill_statistics
+from gateway.batching.registry import Batchers
+from gateway.caching.response_cache import ResponseCache, fill_statistics
 from gateway.core.models import ModelCatalog, version_key
-from gateway.core.parts import GatewayParts
+from gateway.core.parts import CoreSettings, ModelControl, StatisticsScope
 from gateway.core.pipeline import RequestPipeline
 from gateway.ensembles.plan import is_ensemble
+from gateway.ensembles.runner import Ensembles
 from gateway.fleet import repository
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.manager import Fleet
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.readiness import unservable
+from gateway.observability.latency import LatencyHistograms
+from gateway.observability.stats import GatewayStats
+from gateway.observability.streams import StreamStats
+from gateway.observability.tracing import RequestTracing
+from gateway.parallel.generation import SplitDecoders
+from gateway.parallel.serving import ParallelModels
+from gateway.routing.router import Router
+from gateway.routing.sequences import SequenceRoutes
 from gateway.types import InferRequest, InferResponse
 from protos.errors import Unavailable
 
@@ -44,28 +57,40 @@ class Gateway:
     """Implements ``gateway.types.InferenceCore`` over a cluster of workers, with the parts it is given.
 
     ``models`` and ``pipeline`` are the core's two halves (resolution, the
-    request path), built from the same parts by the composition root; nothing
-    is made here.
+    request path), built by the composition root with the same parts; nothing
+    is made here. ``router``, ``latency`` and ``tracing`` are not called here:
+    they are held for the observers (``gateway.observability.observed``) and
+    the process wiring, which read them off the gateway.
     """
 
-    def __init__(self, parts: GatewayParts, models: ModelCatalog, pipeline: RequestPipeline) -> None:
-        self.parts = parts
-        self.config = parts.config
-        self.cluster = parts.cluster
-        self.router = parts.router
-        self.parallel = parts.parallel
-        self.fleet = parts.fleet
-        self.stats = parts.stats
-        self.latency = parts.latency
-        self.sequences = parts.sequences
-        self.cache = parts.cache
-        self.ensembles = parts.ensembles
-        self.tracing = parts.tracing
-        self.streams = parts.streams  # decoupled models' streams, for /metrics
-        self._batchers = parts.batchers
+    def __init__(self, settings: CoreSettings, models: ModelCatalog, pipeline: RequestPipeline, *,
+                 cluster: Cluster, router: Router, fleet: Fleet, parallel: ParallelModels, decoders: SplitDecoders,
+                 batchers: Batchers, sequences: SequenceRoutes, cache: ResponseCache, ensembles: Ensembles,
+                 stats: GatewayStats, latency: LatencyHistograms, tracing: RequestTracing,
+                 statistics: StatisticsScope, control: ModelControl) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.router = router
+        self.fleet = fleet  # membership beyond the static list, placement and model lifecycle
+        self.parallel = parallel
+        self.decoders = decoders  # split generation models' decoding loops (their figures: the observers')
+        self.sequences = sequences
+        self.cache = cache
+        self.ensembles = ensembles
+        self.stats = stats
+        self.latency = latency
+        self.tracing = tracing  # Triton's trace extension: the settings the frontends serve, the traces taken
+        self._batchers = batchers
+        self._statistics = statistics
+        self._control = control
         self.models = models
         self.pipeline = pipeline
         self._shutting_down = False
+
+    @property
+    def streams(self) -> StreamStats:
+        """Decoupled models' streams, for /metrics (the stream path's own)."""
+        return self.pipeline.streaming.streams
 
     @property
     def placement(self) -> PlacementController:
@@ -91,7 +116,7 @@ class Gateway:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop taking requests, let queued ones finish within the grace period, close."""
-        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         self._shutting_down = True
         self.pipeline.accepting = False
         loop = asyncio.get_running_loop()
@@ -100,7 +125,7 @@ class Gateway:
         # Open streams end (within the grace) before the workers' channels close under them.
         await self.pipeline.streaming.wait_closed(until - loop.time())
         await self.fleet.stop()
-        self.parts.decoders.close()
+        self.decoders.close()
         await self.parallel.stop()
         self.sequences.close()
         await self.cluster.stop()
@@ -138,7 +163,7 @@ class Gateway:
         """Up and not shutting down; with strict readiness, also nothing in :meth:`unservable`."""
         if not self.pipeline.accepting or self._shutting_down:
             return False
-        return not self.config.strict_readiness or not self.unservable()
+        return not self.settings.strict_readiness or not self.unservable()
 
     def unservable(self) -> dict[str, str]:
         """What the gateway is asked to serve and cannot now (``gateway.fleet.readiness``)."""
@@ -149,7 +174,7 @@ class Gateway:
         return problems
 
     def server_metadata(self) -> service_pb2.ServerMetadataResponse:
-        return service_pb2.ServerMetadataResponse(name=self.config.server_name, version=__version__, extensions=EXTENSIONS)
+        return service_pb2.ServerMetadataResponse(name=self.settings.server_name, version=__version__, extensions=EXTENSIONS)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.models.ready(name, version)
@@ -167,7 +192,7 @@ class Gateway:
 
     async def model_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
         """The whole gateway's statistics: this process's, or every process's summed (``StatisticsScope``)."""
-        return await self.parts.statistics.whole(await self.local_statistics(name, version), name, version)
+        return await self._statistics.whole(await self.local_statistics(name, version), name, version)
 
     async def local_statistics(self, name: str = "", version: str = "") -> service_pb2.ModelStatisticsResponse:
         """This process's own statistics of ``name`` (all models when empty)."""
@@ -199,13 +224,13 @@ class Gateway:
         return index
 
     def _check_model_control(self) -> None:
-        if self.config.model_control_mode != "explicit":
+        if self.settings.model_control_mode != "explicit":
             # Triton's words and code (UNAVAILABLE) for a server without explicit model control.
             raise Unavailable("explicit model load / unload is not allowed if polling is enabled")
 
     async def load_model(self, name: str, parameters: dict[str, service_pb2.ModelRepositoryParameter]) -> None:
         self._check_model_control()
-        if await self.parts.control.forward_load(name, parameters):
+        if await self._control.forward_load(name, parameters):
             return
         if self.parallel.serves(name):
             await self.parallel.load(name)  # re-split the source and push what changed
@@ -213,12 +238,12 @@ class Gateway:
             self.fleet.placement.note_load(name)
             self.cache.clear(name)  # a reload may answer differently
             await repository.load(self.cluster, name, parameters)
-        await self.parts.control.changed(name, service_pb2.RepositoryModelLoadRequest(model_name=name,
+        await self._control.changed(name, service_pb2.RepositoryModelLoadRequest(model_name=name,
                                                                                        parameters=parameters))
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_model_control()
-        if await self.parts.control.forward_unload(name, unload_dependents):
+        if await self._control.forward_unload(name, unload_dependents):
             return
         if self.parallel.serves(name):
             await self.parallel.unload(name)
@@ -226,15 +251,15 @@ class Gateway:
             self.fleet.placement.note_unload(name)
             await repository.unload(self.cluster, name, unload_dependents)
         self.cache.clear(name)
-        await self._batchers.close_model(name, self.config.shutdown_grace_s)
-        await self.parts.control.changed(name, None)
+        await self._batchers.close_model(name, self.settings.shutdown_grace_s)
+        await self._control.changed(name, None)
 
     async def reread(self, name: str) -> None:
         """Another process loaded or unloaded ``name``: read the workers again, forget cached answers."""
         self.cache.clear(name)
         await self.cluster.refresh()
         if self.cluster.model(name) is None:
-            await self._batchers.close_model(name, self.config.shutdown_grace_s)
+            await self._batchers.close_model(name, self.settings.shutdown_grace_s)
 
     def placement_view(self) -> dict[str, Any]:
         return self.fleet.placement.view()

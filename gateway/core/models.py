@@ -12,9 +12,12 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
-from gateway.core.parts import GatewayParts
 from gateway.ensembles.plan import is_ensemble
+from gateway.ensembles.runner import Ensembles
 from gateway.ensembles.readiness import missing_step
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.placement import PlacementController
+from gateway.parallel.serving import ParallelModels
 from gateway.requests.versions import model_version
 from protos.errors import ModelNotFound, Unavailable
 
@@ -25,15 +28,16 @@ def version_key(v: str) -> tuple[int, str]:
 
 
 class ModelCatalog:
-    """Model resolution over the parts' cluster view, split models, placement and ensemble plans."""
+    """Model resolution over the cluster's view, split models, placement and ensemble plans."""
 
-    def __init__(self, parts: GatewayParts) -> None:
-        self._cluster = parts.cluster
-        self._parallel = parts.parallel
-        self._fleet = parts.fleet
-        self._ensembles = parts.ensembles
-        self._default_timeout_s = parts.config.default_timeout_s
-        self._cluster_join_wait_s = parts.config.probe.timeout_s  # a joining worker's first probe, at most
+    def __init__(self, cluster: Cluster, parallel: ParallelModels, placement: PlacementController,
+                 ensembles: Ensembles, *, default_timeout_s: float, cluster_join_wait_s: float) -> None:
+        self._cluster = cluster
+        self._parallel = parallel
+        self._placement = placement
+        self._ensembles = ensembles
+        self._default_timeout_s = default_timeout_s
+        self._cluster_join_wait_s = cluster_join_wait_s  # a joining worker's first probe, at most
 
     def model(self, name: str, version: str = "") -> tuple[Any, str]:
         """The model's info and the version meant; ``ModelNotFound`` or (no healthy replica) ``Unavailable``."""
@@ -65,12 +69,12 @@ class ModelCatalog:
                     return self.model(name, version)
                 except (ModelNotFound, Unavailable):
                     pass
-            if not self._fleet.placement.can_load(name):
+            if not self._placement.can_load(name):
                 raise
         except Unavailable:
-            if not self._fleet.placement.can_load(name):
+            if not self._placement.can_load(name):
                 raise
-        await self._fleet.placement.ensure(name, timeout_us / 1e6 if timeout_us else self._default_timeout_s)
+        await self._placement.ensure(name, timeout_us / 1e6 if timeout_us else self._default_timeout_s)
         return self.model(name, version)
 
     def latest(self, name: str) -> str:

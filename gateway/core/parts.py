@@ -1,9 +1,9 @@
-"""The parts a ``Gateway`` works with (``GatewayParts``) and the seams where
-several gateway processes differ from one.
+"""The settings the core reads (``CoreSettings``) and the seams where several
+gateway processes differ from one.
 
-``gateway.composition`` builds every part from the config and hands the
-record to ``Gateway``; nothing in the core builds a collaborator. Two seams
-are the core's own:
+``gateway.composition`` builds every part from the config and hands each core
+part the few parts it calls and these settings; nothing in the core builds a
+collaborator or reads the whole config. Two seams are the core's own:
 
 - ``StatisticsScope``: whose statistics a statistics request answers with:
   this process's (``LocalStatistics``) or every process's summed
@@ -13,32 +13,17 @@ are the core's own:
   process re-reading the workers after (``gateway.multiproc.group.GroupModelControl``).
 
 Several-process mode's placement (a follower's) and trace settings (alike in
-every process) arrive through the parts themselves (``fleet``, ``tracing``).
+every process) arrive through the parts themselves (the fleet's placement,
+the tracing).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
-from gateway.batching.registry import Batchers
-from gateway.caching.response_cache import ResponseCache
-from gateway.ensembles.runner import Ensembles
-from gateway.fleet.cluster import Cluster
-from gateway.fleet.manager import Fleet
-from gateway.limits import Admission
-from gateway.observability.latency import LatencyHistograms
-from gateway.observability.stats import GatewayStats
-from gateway.observability.streams import StreamStats
-from gateway.observability.tracing import RequestTracing
-from gateway.parallel.generation import SplitDecoders
-from gateway.parallel.serving import ParallelModels
-from gateway.requests.classification import LabelFiles
-from gateway.routing.router import Router
-from gateway.routing.sequences import SequenceRoutes
-from gateway.settings import GatewayConfig
 
 class StatisticsScope(Protocol):
     """Whose statistics ``model_statistics`` answers with: this process's alone, or every process's summed."""
@@ -83,25 +68,12 @@ class LocalModelControl:
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayParts:
-    """Everything the gateway works with, built by ``gateway.composition``."""
+class CoreSettings:
+    """What the core reads of the config, built by the composition root (``gateway.composition.core_settings``)."""
 
-    config: GatewayConfig
-    cluster: Cluster
-    router: Router
-    admission: Admission  # gateway-wide bounds on admitted requests (requests and bytes in flight)
-    parallel: ParallelModels  # logical models split across workers: their batches run through plans
-    decoders: SplitDecoders  # split generation models: their decoding loops run here, their steps as plans
-    fleet: Fleet  # membership beyond the static list, placement and model lifecycle
-    batchers: Batchers  # one batcher per (model, version), made on its first request
-    stats: GatewayStats
-    latency: LatencyHistograms  # end-to-end latency per model, for /metrics and the dashboard
-    sequences: SequenceRoutes  # stateful models: each sequence pinned to the worker holding its state
-    cache: ResponseCache  # Triton's response cache (off at cache_size 0)
-    ensembles: Ensembles  # each step runs as a request of its own through ``Gateway.run_request``
-    labels: LabelFiles  # label files of the classification extension
-    tracing: RequestTracing  # Triton's trace extension: the settings served, the traces taken
-    statistics: StatisticsScope
-    control: ModelControl
-    streams: StreamStats = field(default_factory=StreamStats)  # decoupled models' streams, for /metrics
-
+    server_name: str  # the ``name`` server metadata gives
+    strict_readiness: bool  # Triton's --strict-readiness: ready only while every model asked for is servable
+    model_control_mode: str  # Triton's --model-control-mode: "none" refuses clients' load and unload
+    shutdown_grace_s: float  # how long queued requests and open streams may finish at stop (and unload)
+    default_timeout_s: float  # a request's deadline when it sets no timeout; a placement's wait
+    cluster_join_wait_s: float  # how long an unknown model waits for a joining worker's first probe, at most

@@ -49,15 +49,23 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.batching.assembly import build_batch_request, split_batch_response
 from gateway.batching.batcher import Batcher
-from gateway.caching.response_cache import Lookup, cache_enabled
+from gateway.batching.registry import Batchers
+from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled
 from gateway.core.models import ModelCatalog
-from gateway.core.parts import GatewayParts
 from gateway.core.streaming import StreamPath, is_decoupled
 from gateway.ensembles.plan import is_ensemble
-from gateway.ensembles.runner import StepRun
-from gateway.requests.classification import apply_classification
+from gateway.ensembles.runner import Ensembles, StepRun
+from gateway.fleet.cluster import Cluster
+from gateway.fleet.placement import PlacementController
+from gateway.limits import Admission
+from gateway.observability.latency import LatencyHistograms
+from gateway.observability.stats import GatewayStats
+from gateway.observability.tracing import RequestTracing
+from gateway.parallel.serving import ParallelModels
+from gateway.requests.classification import LabelFiles, apply_classification
 from gateway.requests.validation import validate_request
-from gateway.routing.sequences import is_stateful
+from gateway.routing.router import Router
+from gateway.routing.sequences import SequenceRoutes, is_stateful
 from gateway.types import DecoupledRefused, InferRequest, InferResponse
 from protos.errors import InferGateError, Internal, InvalidArgument, Unavailable
 
@@ -67,24 +75,40 @@ def _ns(seconds: float) -> int:
 
 
 class RequestPipeline:
-    """The request path over the gateway's parts; ``accepting`` is false before start and from shutdown on."""
+    """The request path over the parts it is handed; ``accepting`` is false before start and from shutdown on."""
 
-    def __init__(self, parts: GatewayParts, models: ModelCatalog, streaming: StreamPath) -> None:
-        self._parts = parts
+    def __init__(self, models: ModelCatalog, streaming: StreamPath, *, admission: Admission, cluster: Cluster,
+                 router: Router, parallel: ParallelModels, placement: PlacementController, batchers: Batchers,
+                 sequences: SequenceRoutes, cache: ResponseCache, ensembles: Ensembles, labels: LabelFiles,
+                 tracing: RequestTracing, stats: GatewayStats, latency: LatencyHistograms,
+                 default_timeout_s: float) -> None:
         self._models = models
-        self._default_timeout_s = parts.config.default_timeout_s
+        self._admission = admission  # gateway-wide bounds on admitted requests (requests and bytes in flight)
+        self._cluster = cluster
+        self._router = router
+        self._parallel = parallel  # logical models split across workers: their batches run through plans
+        self._placement = placement  # the fleet's: idle TTL, LRU and request rate; models placed on request
+        self._batchers = batchers  # one batcher per (model, version), made on its first request
+        self._sequences = sequences  # stateful models: each sequence pinned to the worker holding its state
+        self._cache = cache  # Triton's response cache (off at cache_size 0)
+        self._ensembles = ensembles  # each step runs as a request of its own through ``run_request``
+        self._labels = labels  # label files of the classification extension
+        self._tracing = tracing
+        self._stats = stats
+        self._latency = latency
+        self._default_timeout_s = default_timeout_s
         self.accepting = False
         self.streaming = streaming  # decoupled models' path (``core.streaming``), built by the composition root
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Step 2, admit: the gateway-wide bounds come first; beyond them a request is refused at once."""
-        with self._parts.admission.admit(request):
+        with self._admission.admit(request):
             return await self.run_request(request)
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """Steps 2 to 4, then the streaming path (``gateway.core.streaming``); an ordinary model's
         request takes the request path and yields its one response, final. Close it when done."""
-        with self._parts.admission.admit(request):
+        with self._admission.admit(request):
             now = asyncio.get_running_loop().time()
             started = request.arrival = time.monotonic()
             if not self.accepting:
@@ -96,7 +120,7 @@ class RequestPipeline:
                 yield response
                 return
             rows = self._validate(request, info, version, now)
-            self._parts.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
+            self._placement.touch(request.model, rows)  # idle TTL, LRU and request rate
             async with aclosing(self.streaming.run(request, version, started)) as responses:
                 async for response in responses:
                     yield response
@@ -116,11 +140,11 @@ class RequestPipeline:
         rows = self._validate(request, info, version, now)
         ensemble = is_ensemble(info.config)
         if not ensemble:  # an ensemble is placed through its steps
-            self._parts.fleet.placement.touch(request.model, rows)  # idle TTL, LRU and request rate
+            self._placement.touch(request.model, rows)  # idle TTL, LRU and request rate
         if is_stateful(info.config):
             return await self._infer_in_sequence(request, info.config, version, rows, started)
         miss: Lookup | None = None
-        if self._parts.cache.enabled and cache_enabled(info.config):
+        if self._cache.enabled and cache_enabled(info.config):
             found = self._cached(request, version, started)
             if isinstance(found, InferResponse):
                 return self._classify(request, found, info.config)
@@ -132,20 +156,20 @@ class RequestPipeline:
                 response = await self._batch(request, version, info.config)
         except InferGateError as e:
             self._cache_failed(miss)
-            self._parts.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
+            self._stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
             raise
         except asyncio.CancelledError:
             self._cache_failed(miss)
-            self._parts.stats.record_failure(request.model, version, _ns(time.monotonic() - started), "Cancelled")
+            self._stats.record_failure(request.model, version, _ns(time.monotonic() - started), "Cancelled")
             raise
         if miss is not None:
-            self._parts.cache.insert(miss, response)
+            self._cache.insert(miss, response)
         # After the cache: it holds the model's outputs, whatever form each request asks for.
         response = self._classify(request, response, info.config)
         queue_ns = _ns(max(0.0, request.dispatched - started))
         total_s = time.monotonic() - started
-        self._parts.stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)
-        self._parts.latency.observe(request.model, version, total_s)
+        self._stats.record_success(request.model, version, rows, _ns(total_s), queue_ns)
+        self._latency.observe(request.model, version, total_s)
         return response
 
     def _validate(self, request: InferRequest, info: Any, version: str, now: float) -> int:
@@ -153,7 +177,7 @@ class RequestPipeline:
         try:
             rows = validate_request(request, info.metadata, info.config)
         except InferGateError as e:
-            self._parts.stats.record_failure(request.model, version, 0, type(e).__name__)
+            self._stats.record_failure(request.model, version, 0, type(e).__name__)
             raise
         request.version = version
         timeout_s = request.timeout_us / 1e6 if request.timeout_us else self._default_timeout_s
@@ -164,11 +188,11 @@ class RequestPipeline:
 
     def _cached(self, request: InferRequest, version: str, started: float) -> InferResponse | Lookup:
         """Step 5: a hit is answered here (it never reaches a batcher, so batches hold only misses)."""
-        found = self._parts.cache.lookup(request)
+        found = self._cache.lookup(request)
         if isinstance(found, InferResponse):
             total_s = time.monotonic() - started
-            self._parts.stats.record_cache_hit(request.model, version, _ns(total_s))
-            self._parts.latency.observe(request.model, version, total_s)
+            self._stats.record_cache_hit(request.model, version, _ns(total_s))
+            self._latency.observe(request.model, version, total_s)
         return found
 
     async def _run_ensemble(self, request: InferRequest, config: model_config_pb2.ModelConfig, version: str,
@@ -176,9 +200,9 @@ class RequestPipeline:
         """Each step is a request of its own through ``run_request``; the deadline set above covers them all."""
         runs: list[StepRun] = []
         try:
-            return await self._parts.ensembles.run(self._parts.ensembles.plan(config), request, runs)
+            return await self._ensembles.run(self._ensembles.plan(config), request, runs)
         finally:  # its queue time is its steps' (Triton's counts; see observability.stats)
-            request.dispatched = started + self._parts.stats.record_ensemble(request.model, version, rows, runs) / 1e9
+            request.dispatched = started + self._stats.record_ensemble(request.model, version, rows, runs) / 1e9
 
     async def _batch(self, request: InferRequest, version: str, config: model_config_pb2.ModelConfig) -> InferResponse:
         """Step 6: queue the request in its model's batcher (``gateway.batching``) and wait for its answer.
@@ -186,24 +210,24 @@ class RequestPipeline:
         However long its batch runs for others, a request is answered by its deadline:
         the batcher keeps each request's deadline on its one timer heap, queued or running.
         """
-        batcher = self._parts.batchers.get(request.model, version) or await self._start_batcher(request.model, version, config)
+        batcher = self._batchers.get(request.model, version) or await self._start_batcher(request.model, version, config)
         return await batcher.submit(request)
 
     async def _start_batcher(self, name: str, version: str, config: model_config_pb2.ModelConfig) -> Batcher:
-        info = self._parts.cluster.model(name)
+        info = self._cluster.model(name)
         # Triton servers run the config's dynamic batcher themselves.
-        policy = self._parts.batchers.policy(
+        policy = self._batchers.policy(
             name, config, backend_batches=info is not None and all(w.kind == "triton" for w in info.replicas))
         # Under a queue timeout a batch never waits for a replica outside the batcher (see Batcher).
         dispatch = partial(self._dispatch, name, version, batched=policy.max_batch_size > 0,
                            wait_for_slot=not policy.has_queue_timeouts)
-        capacity = self._parts.parallel.capacity(name) if self._parts.parallel.serves(name) else self._parts.router.capacity(name, version)
-        return await self._parts.batchers.start(name, version, policy, dispatch, capacity)
+        capacity = self._parallel.capacity(name) if self._parallel.serves(name) else self._router.capacity(name, version)
+        return await self._batchers.start(name, version, policy, dispatch, capacity)
 
     def _classify(self, request: InferRequest, response: InferResponse,
                   config: model_config_pb2.ModelConfig) -> InferResponse:
         """Step 9: Triton's classification extension, for the outputs that ask for it (``gateway.requests``)."""
-        return apply_classification(request, response, config, self._parts.labels)
+        return apply_classification(request, response, config, self._labels)
 
     async def _infer_in_sequence(
         self, request: InferRequest, config: model_config_pb2.ModelConfig, version: str, rows: int, started: float
@@ -211,19 +235,19 @@ class RequestPipeline:
         """A request of a stateful sequence: alone, in order, on the worker holding the sequence (no cache, no batch)."""
         request.dispatched = started
         try:
-            response = await self._parts.sequences.infer(request, config)
+            response = await self._sequences.infer(request, config)
         except InferGateError as e:
-            self._parts.stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
+            self._stats.record_failure(request.model, version, _ns(time.monotonic() - started), type(e).__name__)
             raise
         total_s = time.monotonic() - started
-        self._parts.stats.record_execution(request.model, version, rows, _ns(total_s))
-        self._parts.stats.record_success(request.model, version, rows, _ns(total_s), 0)
-        self._parts.latency.observe(request.model, version, total_s)
+        self._stats.record_execution(request.model, version, rows, _ns(total_s))
+        self._stats.record_success(request.model, version, rows, _ns(total_s), 0)
+        self._latency.observe(request.model, version, total_s)
         return response
 
     def _cache_failed(self, miss: Lookup | None) -> None:
         if miss is not None:
-            self._parts.cache.record_miss(miss)
+            self._cache.record_miss(miss)
 
     async def _dispatch(
         self, name: str, version: str, batch: list[InferRequest], *, batched: bool, wait_for_slot: bool = True
@@ -235,13 +259,13 @@ class RequestPipeline:
             r.dispatched = start
         rows = [r.rows for r in batch]
         # Split models read the message's contents: they get them inside it.
-        pb = build_batch_request(name, version, batch, rows, batched, raw_aside=not self._parts.parallel.serves(name))
+        pb = build_batch_request(name, version, batch, rows, batched, raw_aside=not self._parallel.serves(name))
         deadlines = [r.deadline for r in batch if r.deadline is not None]
         # The batch may live as long as its most patient member; members whose
         # deadline passes while queued were dropped by the batcher already.
         deadline = max(deadlines) if deadlines else None
         try:
-            with self._parts.tracing.batch(batch, name):
+            with self._tracing.batch(batch, name):
                 response = await self._route(name, version, pb, deadline, wait_for_slot)
         except (InvalidArgument, Internal):
             if len(batch) == 1:
@@ -250,7 +274,7 @@ class RequestPipeline:
             # token id out of range): run each request alone so one client's
             # bad row does not fail its batch-mates.
             return await self._run_alone(name, version, batch, batched)
-        self._parts.stats.record_execution(name, version, sum(rows), _ns(time.monotonic() - start), len(batch))
+        self._stats.record_execution(name, version, sum(rows), _ns(time.monotonic() - start), len(batch))
         responses = split_batch_response(response, batch, rows, batched)
         if len(responses) != len(batch):
             raise Internal(f"batch of {len(batch)} requests produced {len(responses)} responses")
@@ -260,9 +284,9 @@ class RequestPipeline:
                      wait_for_slot: bool) -> service_pb2.ModelInferResponse:
         """Step 7: one worker call, to a replica the router picks (``gateway.routing.router``)
         or through a split model's plan (``gateway.parallel.serving``)."""
-        if self._parts.parallel.serves(name):
-            return await self._parts.parallel.infer(name, version, pb, deadline)
-        return await self._parts.router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
+        if self._parallel.serves(name):
+            return await self._parallel.infer(name, version, pb, deadline)
+        return await self._router.infer(name, version, pb, deadline, wait_for_slot=wait_for_slot)
 
     async def _run_alone(
         self, name: str, version: str, batch: list[InferRequest], batched: bool

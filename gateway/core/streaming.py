@@ -30,11 +30,12 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from execution.decoupled import set_parameter
 from gateway.batching.assembly import build_batch_request
-from gateway.core.parts import GatewayParts
-from protos.triton_words import ENABLE_EMPTY_FINAL, FINAL_RESPONSE, is_final
+from gateway.observability.latency import LatencyHistograms
+from gateway.observability.stats import GatewayStats
 from gateway.observability.streams import StreamStats
 from gateway.routing.streams import StreamRouting
 from gateway.types import InferRequest, InferResponse, Tensor
+from protos.triton_words import ENABLE_EMPTY_FINAL, FINAL_RESPONSE, is_final
 from protos.errors import InferGateError, Internal
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,11 @@ def _parameters(pb: service_pb2.ModelInferResponse) -> dict[str, object]:
 class StreamPath:
     """Runs validated requests of decoupled models: routing, statistics, stream metrics."""
 
-    def __init__(self, parts: GatewayParts, routing: StreamRouting, streams: StreamStats) -> None:
-        self._parts = parts
+    def __init__(self, routing: StreamRouting, streams: StreamStats, *, stats: GatewayStats,
+                 latency: LatencyHistograms) -> None:
         self._routing = routing
+        self._stats = stats
+        self._latency = latency
         self.streams = streams
         # Open streams, for shutdown: it waits (within its grace) until none is.
         self._open = 0
@@ -102,7 +105,7 @@ class StreamPath:
 
     async def run(self, request: InferRequest, version: str, started: float) -> AsyncIterator[InferResponse]:
         """The responses of a validated, admitted request, as its worker sends them."""
-        parts, model = self._parts, request.model
+        model = request.model
         want_empty_final = request.parameters.get(ENABLE_EMPTY_FINAL) is True
         pb = worker_request(request, version)
         request.dispatched = started
@@ -138,11 +141,11 @@ class StreamPath:
             self.streams.closed(model, version, sent)
             total_s = time.monotonic() - started
             if outcome is None:
-                parts.stats.record_execution(model, version, request.rows, _ns(total_s))
-                parts.stats.record_success(model, version, request.rows, _ns(total_s), 0)
-                parts.latency.observe(model, version, total_s)
+                self._stats.record_execution(model, version, request.rows, _ns(total_s))
+                self._stats.record_success(model, version, request.rows, _ns(total_s), 0)
+                self._latency.observe(model, version, total_s)
             else:
-                parts.stats.record_failure(model, version, _ns(total_s), outcome)
+                self._stats.record_failure(model, version, _ns(total_s), outcome)
                 log.debug("stream of request '%s' ended after %d response(s): %s", request.id, sent, outcome)
 
     async def wait_closed(self, timeout_s: float) -> int:

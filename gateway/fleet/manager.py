@@ -7,10 +7,11 @@ where, with their start and stop order.
 - placement and model lifecycle (``placement``);
 - draining (``gateway.fleet.drain`` drives the placement controller and the cluster).
 
-The composition root builds it and hands in what differs between setups: the
-worker token registrations must carry, and where several gateway processes
-serve together, a follower's placement (``placement``: made from the cluster
-and the registry this fleet builds).
+The composition root builds it and hands in the settings it reads (the
+static workers, the DNS names, the ``membership`` group) and what differs
+between setups: the worker token registrations must carry, and the placement
+controller (``placement``: made from the cluster and the registry this fleet
+builds; where several gateway processes serve together, a follower's).
 
 Start (after the cluster's first probe): registry expiry -> DNS (first
 lookup: its workers join before placement) -> placement (first round).
@@ -20,19 +21,19 @@ Stop: the reverse, before the cluster closes its channels.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gateway.fleet.cluster import Cluster
 from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.membership import Membership
 from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
-from gateway.settings import GatewayConfig
+from gateway.settings import MembershipSettings, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-# (config, cluster, registry) -> the placement controller; the default is ``PlacementController`` itself.
-PlacementFactory = Callable[[GatewayConfig, Cluster, Registry], PlacementController]
+# (cluster, registry) -> the placement controller.
+PlacementFactory = Callable[[Cluster, Registry], PlacementController]
 
 
 class Fleet:
@@ -40,21 +41,22 @@ class Fleet:
 
     ``token`` is the token registering workers must present ("" for none), read
     by whoever builds the fleet (``gateway.security.setup.worker_token``);
-    ``placement`` makes the placement controller when a setup supplies its own
-    (several processes: ``gateway.multiproc.group.FollowerPlacement``)."""
+    ``placement`` makes the placement controller from the cluster and this fleet's registry
+    (``gateway.fleet.placement.PlacementController``; several processes:
+    ``gateway.multiproc.group.FollowerPlacement`` in a follower), which brings its own settings
+    and clock; ``clock`` is the registry's (heartbeat expiry)."""
 
-    def __init__(self, config: GatewayConfig, cluster: Cluster, *, token: str = "",
-                 placement: PlacementFactory | None = None, clock: Callable[[], float] | None = None) -> None:
-        self.config = config
+    def __init__(self, cluster: Cluster, placement: PlacementFactory, *, workers: Sequence[WorkerSpec] = (),
+                 worker_dns: Sequence[str] = (), membership: MembershipSettings = MembershipSettings(),
+                 token: str = "", clock: Callable[[], float] | None = None) -> None:
         self.cluster = cluster
-        self.membership = Membership(cluster, config.workers)
+        self.membership = Membership(cluster, workers)
         kwargs = {"clock": clock} if clock is not None else {}
-        self.registry = Registry(self.membership, heartbeat_interval_s=config.membership.heartbeat_interval_s,
-                                 misses_to_down=config.membership.heartbeat_misses_to_down, token=token, **kwargs)
-        self.discovery = (DnsDiscovery(self.membership, config.worker_dns, refresh_s=config.membership.dns_refresh_s)
-                          if config.worker_dns else None)
-        self.placement = (placement(config, cluster, self.registry) if placement is not None
-                          else PlacementController(config, cluster, self.registry, **kwargs))
+        self.registry = Registry(self.membership, heartbeat_interval_s=membership.heartbeat_interval_s,
+                                 misses_to_down=membership.heartbeat_misses_to_down, token=token, **kwargs)
+        self.discovery = (DnsDiscovery(self.membership, worker_dns, refresh_s=membership.dns_refresh_s)
+                          if worker_dns else None)
+        self.placement = placement(cluster, self.registry)
 
     async def start(self) -> None:
         await self.registry.start()

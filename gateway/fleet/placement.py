@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
@@ -36,7 +36,7 @@ from gateway.fleet.demand import AutoscalePolicy, DemandBook
 from gateway.fleet.rendezvous import Bin, Demand, plan
 from gateway.replicas.errors import WorkerUnreachable
 from gateway.fleet.worker_reports import ModelMemory, observed
-from gateway.settings import GatewayConfig
+from gateway.settings import AutoscaleSettings, PlacementSettings, logical_models
 from protos.errors import InferGateError, ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 
@@ -61,27 +61,30 @@ def is_shard(worker: WorkerState, name: str) -> bool:
 class PlacementController:
     """Keeps the placed models where :func:`plan` says, loading and unloading through the repository API."""
 
-    def __init__(self, config: GatewayConfig, cluster: Cluster, registry: Registry | None = None, *,
+    def __init__(self, cluster: Cluster, registry: Registry | None = None, *, settings: PlacementSettings,
+                 autoscale: AutoscaleSettings, models: Mapping[str, Mapping[str, Any]], model_repository: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._config = config
+        """``settings``: the ``placement`` group; ``models``: the config's per-model entries (``replicas``,
+        ``max_replicas``, ``idle_ttl_s``, ``memory_bytes``); ``model_repository``: where models' files are sized."""
+        self._settings = settings
+        self._models = models
         self._cluster = cluster
         self._registry = registry
         self._clock = clock
         self.book = DemandBook(
-            AutoscalePolicy(config.autoscale.up_rate, config.autoscale.down_rate, config.autoscale.max_replicas,
-                            config.autoscale.cooldown_s),
-            idle_ttl_s=config.placement.idle_ttl_s, clock=clock)
-        self._logical = set(config.logical_models())
-        for name, settings in config.models.items():
-            if "replicas" in settings and name not in self._logical:
-                self.book.declare(name, int(settings["replicas"]), idle_ttl_s=settings.get("idle_ttl_s"),
-                                  ceiling=int(settings.get("max_replicas", 0)))
+            AutoscalePolicy(autoscale.up_rate, autoscale.down_rate, autoscale.max_replicas, autoscale.cooldown_s),
+            idle_ttl_s=settings.idle_ttl_s, clock=clock)
+        self._logical = set(logical_models(models))
+        for name, entry in models.items():
+            if "replicas" in entry and name not in self._logical:
+                self.book.declare(name, int(entry["replicas"]), idle_ttl_s=entry.get("idle_ttl_s"),
+                                  ceiling=int(entry.get("max_replicas", 0)))
         self.targets: dict[str, tuple[str, ...]] = {}
         self.excluded: set[str] = set()  # workers being drained: no new replicas, nothing unloaded there
         self._refused: dict[tuple[str, str], float] = {}
         self._not_found: dict[str, float] = {}
         self._errors: dict[str, str] = {}
-        self.memory = ModelMemory(config)
+        self.memory = ModelMemory(settings, models, model_repository)
         self.moves = 0  # replicas re-placed on another worker (membership changes, drains)
         self.evictions = 0
         self.idle_unloads = 0
@@ -99,7 +102,7 @@ class PlacementController:
     async def start(self) -> None:
         """Place the declared models on the workers known now, then keep placing."""
         self._round = asyncio.get_running_loop().create_future()
-        if any(True for _ in self.book) or self._config.placement.load_on_demand:
+        if any(True for _ in self.book) or self._settings.load_on_demand:
             await self._reconcile_logged()
         self._unsubscribe = self._cluster.on_change(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="placement")
@@ -122,7 +125,7 @@ class PlacementController:
             # cancellation that arrives as the event is set, and stop() would hang.
             waiter = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({waiter}, timeout=self._config.placement.interval_s)
+                await asyncio.wait({waiter}, timeout=self._settings.interval_s)
             finally:
                 waiter.cancel()
             self._wake.clear()
@@ -167,7 +170,7 @@ class PlacementController:
         if name in self._logical or self._not_found.get(name, 0.0) > self._clock():
             return False
         demand = self.book.get(name)
-        return (demand is not None and demand.declared) or self._config.placement.load_on_demand
+        return (demand is not None and demand.declared) or self._settings.load_on_demand
 
     async def ensure(self, name: str, timeout_s: float) -> None:
         """Place ``name`` now if it has no READY replica; wait (at most ``timeout_s``) until it has one.
@@ -179,7 +182,7 @@ class PlacementController:
             return
         if not self.can_load(name):
             raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
-        settings = self._config.models.get(name, {})
+        settings = self._models.get(name, {})
         self.book.activate(name, floor=int(settings.get("replicas", 1)), idle_ttl_s=settings.get("idle_ttl_s"))
         self._errors.pop(name, None)
         deadline = self._clock() + timeout_s

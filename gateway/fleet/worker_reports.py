@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Container, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.fleet.demand import Observed
-from gateway.settings import GatewayConfig
+from gateway.settings import PlacementSettings
 
 if TYPE_CHECKING:
     from gateway.fleet.registry import WorkerReport
@@ -29,18 +29,24 @@ Reports = Mapping[str, "WorkerReport"]
 
 
 class ModelMemory:
-    def __init__(self, config: GatewayConfig) -> None:
-        self._config = config
+    """Workers' room and models' sizes, from the ``placement`` settings, the ``models`` entries
+    (``memory_bytes``) and the model repository's files."""
+
+    def __init__(self, settings: PlacementSettings, models: Mapping[str, Mapping[str, Any]],
+                 model_repository: str = "") -> None:
+        self._settings = settings
+        self._models = models
+        self._model_repository = model_repository
         self._sizes: dict[str, int] = {}
         self._repo_sizes: dict[str, int] = {}
 
     def capacity(self, address: str, reports: Reports) -> int | None:
         limits = []
-        if self._config.placement.worker_memory_cap_bytes:
-            limits.append(self._config.placement.worker_memory_cap_bytes)
+        if self._settings.worker_memory_cap_bytes:
+            limits.append(self._settings.worker_memory_cap_bytes)
         report = reports.get(address)
         if report is not None and report.memory_total_bytes:
-            limits.append(int(report.memory_total_bytes * self._config.placement.worker_memory_fraction))
+            limits.append(int(report.memory_total_bytes * self._settings.worker_memory_fraction))
         return min(limits) if limits else None
 
     @staticmethod
@@ -52,21 +58,21 @@ class ModelMemory:
         return sum(m.memory_bytes for name, m in report.models.items() if name not in managed)
 
     def size(self, name: str, reports: Reports) -> int:
-        configured = self._config.models.get(name, {}).get("memory_bytes")
+        configured = self._models.get(name, {}).get("memory_bytes")
         if configured is not None:
             return int(configured)
         reported = max((r.models[name].memory_bytes for r in reports.values() if name in r.models), default=0)
         if reported:
             self._sizes[name] = reported
             return reported
-        return self._sizes.get(name) or self._repository_size(name) or self._config.placement.default_model_memory_bytes
+        return self._sizes.get(name) or self._repository_size(name) or self._settings.default_model_memory_bytes
 
     def _repository_size(self, name: str) -> int:
         """Bytes of the files of the model's latest version in the model repository (0 = unknown); cached."""
-        if name in self._repo_sizes or not self._config.model_repository:
+        if name in self._repo_sizes or not self._model_repository:
             return self._repo_sizes.get(name, 0)
         size = 0
-        model_dir = Path(self._config.model_repository) / name
+        model_dir = Path(self._model_repository) / name
         try:
             versions = [p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
             if versions:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from tritonclient.grpc import service_pb2
@@ -39,7 +40,7 @@ from gateway.replicas.local import LocalReplica
 from gateway.fleet.placement import PlacementController
 from gateway.multiproc.merge import merge_statistics
 from gateway.multiproc.peers import ProcessGroup
-from gateway.settings import GatewayConfig
+from gateway.settings import AutoscaleSettings, PlacementSettings
 from protos.errors import ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
 
@@ -56,8 +57,11 @@ REFRESH_POLL_S = 0.05
 class FollowerPlacement(PlacementController):
     """A follower's placement: the config's demand book for readiness, decisions left to the leader."""
 
-    def __init__(self, config: GatewayConfig, cluster: Cluster, registry: Registry, group: ProcessGroup) -> None:
-        super().__init__(config, cluster, registry)
+    def __init__(self, cluster: Cluster, registry: Registry, group: ProcessGroup, *, settings: PlacementSettings,
+                 autoscale: AutoscaleSettings, models: Mapping[str, Mapping[str, Any]],
+                 model_repository: str = "") -> None:
+        super().__init__(cluster, registry, settings=settings, autoscale=autoscale, models=models,
+                         model_repository=model_repository)
         self._group = group
         self._touched: Counter[str] = Counter()
         self._flusher: asyncio.Task[None] | None = None

@@ -40,7 +40,6 @@ from gateway.observability.generation_usage import GenerationUsagePoller
 from gateway.observability.metrics import GatewayCollector
 from gateway.observability.observed import ObservedGateway
 from gateway.routing.sequences import SequenceRoutes
-from gateway.settings import GatewayConfig
 from protos.errors import InferGateError, InvalidArgument, NotFound
 from serverkit.prometheus import CONTENT_TYPE, render_text
 
@@ -64,7 +63,6 @@ def _float(request: web.Request, name: str, default: float) -> float:
 class GroupMember(ObservedGateway, Protocol):
     """The gateway of this process as these routes read it (besides what the observers read)."""
 
-    config: GatewayConfig
     fleet: Fleet
     sequences: SequenceRoutes
 
@@ -86,8 +84,13 @@ class GroupViews:
     """This process's own documents, and the whole gateway's built from every process's."""
 
     def __init__(self, gateway: GroupMember, group: ProcessGroup, replicator: Replicator,
-                 worker_metrics_urls: Mapping[str, str] | None, local: LocalReplica | None = None) -> None:
+                 worker_metrics_urls: Mapping[str, str] | None, local: LocalReplica | None = None, *,
+                 default_timeout_s: float, drain_timeout_s: float) -> None:
+        """``default_timeout_s``: how long a placement asked for without a timeout may take;
+        ``drain_timeout_s``: the same for a drain (the config's ``placement.drain_timeout_s``)."""
         self.gateway = gateway
+        self.default_timeout_s = default_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self.local = local  # this process's own copy of the repository's models (local execution)
         self.group = group
         self.replicator = replicator
@@ -216,7 +219,7 @@ def add_group_routes(app: web.Application, views: GroupViews) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v2/cluster", cluster)
     app.router.add_get("/v2/cluster/stats", stats)
-    add_drain_routes(app, views, default_timeout_s=views.gateway.config.placement.drain_timeout_s)
+    add_drain_routes(app, views, default_timeout_s=views.drain_timeout_s)
 
 
 def _internal(views: GroupViews, handler: Handler) -> Handler:
@@ -255,7 +258,7 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json({})
 
     async def ensure(r: web.Request) -> web.Response:
-        await gateway.fleet.placement.ensure(q(r, "name"), _float(r, "timeout_s", gateway.config.default_timeout_s))
+        await gateway.fleet.placement.ensure(q(r, "name"), _float(r, "timeout_s", views.default_timeout_s))
         return _json({})
 
     async def load(r: web.Request) -> web.Response:
@@ -275,13 +278,13 @@ def internal_app(views: GroupViews) -> web.Application:
         return _json({})
 
     async def drain(r: web.Request) -> web.Response:
-        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        timeout_s = _float(r, "timeout_s", views.drain_timeout_s)
         status, body = await views.drain(q(r, "address"), timeout_s,
                                          q(r, "force") == "true")
         return _json({"status": status, "body": body})
 
     async def drain_local(r: web.Request) -> web.Response:
-        timeout_s = _float(r, "timeout_s", gateway.config.placement.drain_timeout_s)
+        timeout_s = _float(r, "timeout_s", views.drain_timeout_s)
         return _json(await views.drain_local(q(r, "address"), timeout_s))
 
     async def undrain(r: web.Request) -> web.Response:

@@ -5,6 +5,9 @@ holds the group's secret and the whole config). Ports are reserved in the
 parent by binding (never listening) a socket with SO_REUSEPORT: port 0
 resolves once to a number every child then binds, and the reservation stays
 held, so no other program takes the port between children.
+
+A spec describes a whole gateway process, so it carries the whole config
+(the child's composition root reads it); nothing else in ``multiproc`` does.
 """
 
 from __future__ import annotations

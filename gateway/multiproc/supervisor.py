@@ -13,6 +13,9 @@ child, so each drains its own queued and in-flight requests within the
 grace period, then wait; a child still running after the grace period and a
 margin is killed. A child that dies unexpectedly stops the whole gateway
 (exit 1), so whatever supervises the gateway restarts it whole.
+
+Process wiring, as ``gateway.app`` is: it reads the whole config (ports,
+grace period, what each child is told) and hands each child all of it.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class GenerationUsagePoller:
     def table(self) -> Table:
         """The workers' latest figures and the gateway's own, now."""
         table = dict(self._table)
-        decoders = getattr(getattr(self._gw, "parts", None), "decoders", None)
+        decoders = getattr(self._gw, "decoders", None)
         if decoders is not None:
             for name, stats in decoders.generation_stats().items():
                 table[(GATEWAY_WORKER, name)] = GenerationUsage.total([stats])

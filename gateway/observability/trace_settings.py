@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.settings import ConfigError, GatewayConfig
+from gateway.settings import ConfigError
 from protos.errors import InvalidArgument, Unsupported
 from serverkit.tracing import TraceConfig
 
@@ -59,9 +59,10 @@ class Sampler:
         return self.level != _OFF and self.count != 0
 
 
-def trace_config(config: GatewayConfig) -> TraceConfig:
-    """The config's ``trace_config`` entries (the YAML list, then the ``--trace-config`` flags)."""
-    entries = config.extra.get("trace_config") or []
+def trace_config(extra: Mapping[str, Any]) -> TraceConfig:
+    """The ``trace_config`` entries among the config's other keys (``GatewayConfig.extra``: the YAML
+    list, then the ``--trace-config`` flags)."""
+    entries = extra.get("trace_config") or []
     if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
         raise ConfigError(f"config key 'trace_config' must be a list of Triton --trace-config entries, got {entries!r}")
     try:

@@ -42,7 +42,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,7 +71,6 @@ from gateway.parallel.remote import (
 )
 from gateway.parallel.served import ParallelStats, ServedModel
 from gateway.parallel.shard_placement import ShardPlacer
-from gateway.settings import GatewayConfig
 from protos import codec
 from protos.errors import DeadlineExceeded, Internal, InvalidArgument, ModelNotFound, Unavailable
 from serverkit.tasks import log_task_death
@@ -112,11 +112,15 @@ class LogicalCapacity:
 class ParallelModels:
     """The registry of logical models; also the ``Sender`` their batches go through."""
 
-    def __init__(self, config: GatewayConfig, cluster: Cluster, router: Sender) -> None:
-        self._config = config
+    def __init__(self, logical: Mapping[str, Mapping[str, Any]], cluster: Cluster, router: Sender, *,
+                 model_repository: str = "", max_inflight_per_replica: int = 0) -> None:
+        """``logical``: the config's logical model entries (``from``/``path`` ...), by name; ``model_repository``:
+        where their sources are read; ``max_inflight_per_replica``: batches in flight per shard group (0: derived)."""
+        self._model_repository = model_repository
+        self._max_inflight_per_replica = max_inflight_per_replica
         self._cluster = cluster
         self._router = router
-        self._specs = [LogicalSpec.from_settings(n, s) for n, s in config.logical_models().items()]
+        self._specs = [LogicalSpec.from_settings(n, s) for n, s in logical.items()]
         self._served: dict[str, ServedModel] = {}
         self._placer = ShardPlacer(cluster)
         self._groups = GroupKeeper(cluster)
@@ -331,7 +335,7 @@ class ParallelModels:
     # ---- preparation ---------------------------------------------------------
 
     async def _prepare(self, spec: LogicalSpec, current: ServedModel | None) -> ServedModel:
-        source_bytes, repo_config = await asyncio.to_thread(read_source, spec, self._config.model_repository)
+        source_bytes, repo_config = await asyncio.to_thread(read_source, spec, self._model_repository)
         try:
             layout = await asyncio.to_thread(self._split, spec, source_bytes, repo_config)
         except ParallelConfigError:
@@ -343,7 +347,7 @@ class ParallelModels:
         config, metadata = signature(spec, layout.plan, self._cluster.model(spec.source) if spec.source else None, repo_config)
         info = ModelInfo(spec.name, (VERSION,), config, metadata, ())
         # Derived per replica (0): one batch executing and one waiting per shard group.
-        per_replica = self._config.batching.max_inflight_per_replica or 2
+        per_replica = self._max_inflight_per_replica or 2
         limit = spec.max_inflight or spec.replicas * per_replica * spec.pipeline_parallel
         steps = steps_by_slot(layout.plan) if spec.collectives == "peer" else ()
         if spec.collectives == "peer" and not steps:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.settings import ConfigError, GatewayConfig
+from gateway.settings import ConfigError, SecuritySettings
 from protos.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -314,11 +314,10 @@ class KeyStore:
         return key
 
 
-def load_key_store(config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic) -> KeyStore | None:
-    """The keys named by ``config`` (files and environment), or None when there are none."""
+def load_key_store(security: SecuritySettings, *, clock: Callable[[], float] = time.monotonic) -> KeyStore | None:
+    """The keys named by the ``security`` settings (files and environment), or None when there are none."""
     api_keys: list[ApiKey] = []
     admin_keys: list[AdminKey] = []
-    security = config.security
     if security.api_key_file:
         api_keys += parse_keys(_read(security.api_key_file, "API key"), security.api_key_file)
         if not api_keys:

@@ -27,7 +27,7 @@ from gateway.replicas.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
 from gateway.security.tls import grpc_channel_credentials, grpc_server_credentials, server_ssl_context
-from gateway.settings import ConfigError, GatewayConfig, WorkerSpec
+from gateway.settings import ConfigError, SecuritySettings, WorkerSpec
 from serverkit.listen import add_grpc_port
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,15 @@ class GatewaySecurity:
     grpc_credentials: grpc.ServerCredentials | None = None
 
     @classmethod
-    def from_config(cls, config: GatewayConfig) -> "GatewaySecurity":
-        """Read every key and certificate file now: a bad one stops the start (ConfigError)."""
-        keys = load_key_store(config)
-        if config.security.tls_cert:
-            context = server_ssl_context(config.security.tls_cert, config.security.tls_key)
-            credentials = grpc_server_credentials(config.security.tls_cert, config.security.tls_key)
+    def from_settings(cls, security: SecuritySettings, host: str) -> "GatewaySecurity":
+        """Read every key and certificate file now: a bad one stops the start (ConfigError).
+        ``host``: the address the frontends listen on (keys in clear text beyond loopback are warned of)."""
+        keys = load_key_store(security)
+        if security.tls_cert:
+            context = server_ssl_context(security.tls_cert, security.tls_key)
+            credentials = grpc_server_credentials(security.tls_cert, security.tls_key)
             return cls(keys, context, credentials)
-        if keys is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        if keys is not None and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("API keys are on but TLS is off: keys cross the network in clear text (set --tls-cert)")
         return cls(keys)
 
@@ -94,30 +95,31 @@ class GatewaySecurity:
         return add_grpc_port(server, address, self.grpc_credentials)
 
 
-def worker_token(config: GatewayConfig) -> str:
+def worker_token(security: SecuritySettings) -> str:
     """The token workers accept from this gateway (``worker_token`` or the first line of
     ``worker_token_file``), "" when none is configured."""
-    if config.security.worker_token:
-        return config.security.worker_token
-    if not config.security.worker_token_file:
+    if security.worker_token:
+        return security.worker_token
+    if not security.worker_token_file:
         return ""
     try:
-        token = Path(config.security.worker_token_file).read_text(encoding="utf-8").strip()
+        token = Path(security.worker_token_file).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the worker token file {config.security.worker_token_file}: {exc}") from None
+        raise ConfigError(f"cannot read the worker token file {security.worker_token_file}: {exc}") from None
     if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"worker token file {config.security.worker_token_file} "
+        raise ConfigError(f"worker token file {security.worker_token_file} "
                           "must hold one token without white space")
     return token
 
 
-def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], WorkerClient]:
+def worker_client_factory(security: SecuritySettings, *, stream_calls: bool,
+                          packed_streams: bool) -> Callable[[WorkerSpec], WorkerClient]:
     """Makes each worker's client with the token (infergate workers only: a
-    Triton server has no use for it) and the TLS credentials, when configured."""
-    token = worker_token(config)
+    Triton server has no use for it) and the TLS credentials, when configured;
+    ``stream_calls`` and ``packed_streams``: the config's ``worker_calls`` and ``worker_streams``."""
+    token = worker_token(security)
     credentials = None
-    if config.security.worker_tls_ca or config.security.worker_tls_cert:
-        security = config.security
+    if security.worker_tls_ca or security.worker_tls_cert:
         credentials = grpc_channel_credentials(security.worker_tls_ca, security.worker_tls_cert,
                                                security.worker_tls_key)
 
@@ -126,22 +128,21 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
         return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials,
-                            stream_calls=config.worker_calls == "stream",
-                            packed_streams=config.worker_streams == "packed")
+                            stream_calls=stream_calls,
+                            packed_streams=packed_streams)
 
     return make
 
 
-def local_worker_token(workdir: Path, config: GatewayConfig) -> Path:
+def local_worker_token(workdir: Path, security: SecuritySettings) -> Path:
     """The token file ``infergate up`` gives its workers and its gateway: the
     configured one, else a file in ``workdir`` (readable by this user only)
     holding the token from the environment or a fresh random one."""
-    if config.security.worker_token_file:
-        worker_token(config)  # checks the file now, before any worker starts
-        return Path(config.security.worker_token_file)
+    if security.worker_token_file:
+        worker_token(security)  # checks the file now, before any worker starts
+        return Path(security.worker_token_file)
     path = workdir / "worker.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write((config.security.worker_token or secrets.token_urlsafe(32)) + "\n")
+        f.write((security.worker_token or secrets.token_urlsafe(32)) + "\n")
     return path
-

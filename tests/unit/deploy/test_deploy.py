@@ -218,7 +218,7 @@ def test_example_secrets_load_with_the_real_key_store(rendered: dict[str, list[d
         (tmp_path / key).write_text(files[key])
     config = load_config(None, security={"api_key_file": str(tmp_path / "api-keys"),
                                          "admin_key_file": str(tmp_path / "admin-keys")})
-    store = load_key_store(config)
+    store = load_key_store(config.security)
     assert store is not None and len(store) == 3
     admin_keys = [line.split()[0] for line in files["admin-keys"].splitlines() if line.strip()]
     assert secret_files(docs, "infergate-metrics-token")["token"] in admin_keys

@@ -11,8 +11,9 @@ from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.fleet.discovery import DnsDiscovery
 from gateway.fleet.manager import Fleet
 from gateway.fleet.membership import Membership
+from gateway.fleet.placement import PlacementController
 from gateway.fleet.registry import Registry
-from gateway.settings import GatewayConfig, WorkerSpec
+from gateway.settings import AutoscaleSettings, PlacementSettings, WorkerSpec
 from protos import cluster_pb2
 from protos.errors import InvalidArgument, Unauthenticated
 from tests.unit.gateway.fleet.test_placement import FakeClock, Fakes
@@ -114,14 +115,20 @@ async def test_token_and_bad_requests() -> None:
         await cluster.stop()
 
 
+def placement(cluster: Cluster, registry: Registry) -> PlacementController:
+    return PlacementController(cluster, registry, settings=PlacementSettings(), autoscale=AutoscaleSettings(), models={})
+
+
 async def test_the_fleet_checks_registrations_against_the_token_it_is_given() -> None:
     cluster, _ = await make_cluster()
     try:
-        fleet = Fleet(GatewayConfig(), cluster, token="s3cret")
+        fleet = Fleet(cluster, placement, token="s3cret")
         with pytest.raises(Unauthenticated):
             fleet.registry.check_token([("authorization", "Bearer wrong")])
         fleet.registry.check_token([("authorization", "Bearer s3cret")])
-        Fleet(GatewayConfig(), cluster).registry.check_token([])  # none given: open
+        Fleet(cluster, placement).registry.check_token([])  # none given: open
+        # The placement is made by the factory given, on this fleet's cluster and registry.
+        assert fleet.placement._cluster is cluster and fleet.placement._registry is fleet.registry
     finally:
         await cluster.stop()
 

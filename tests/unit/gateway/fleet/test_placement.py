@@ -244,8 +244,9 @@ async def make(config: GatewayConfig, n: int, clock: FakeClock | None = None
     fakes = Fakes()
     cluster = Cluster([WorkerSpec(a) for a in addresses(n)], probe_interval_s=3600, client_factory=fakes)  # type: ignore[arg-type]
     await cluster.start()
-    controller = PlacementController(replace(config, placement=replace(config.placement, interval_s=3600)), cluster,
-                                     None,
+    controller = PlacementController(cluster, None, settings=replace(config.placement, interval_s=3600),
+                                     autoscale=config.autoscale, models=config.models,
+                                     model_repository=config.model_repository,
                                      **({"clock": clock} if clock else {}))
     await controller.start()
     return cluster, controller, fakes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
 
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
@@ -110,11 +109,6 @@ class Decoders:
         return {"split_lm": Sample(1, 2, 64, 256)}
 
 
-@dataclass
-class Parts:
-    decoders: Any
-
-
 def fleet() -> tuple[FakeGateway, StatsClient, StatsClient]:
     gw = FakeGateway()
     a = StatsClient({"tiny_lm": GenerationUsage(2, 1, 4096, 8192), "gone": ModelNotFound("not available")})
@@ -127,7 +121,7 @@ def fleet() -> tuple[FakeGateway, StatsClient, StatsClient]:
                          state=WorkerStatus.READY)
     triton.models = {"tiny_lm": generative("tiny_lm")}
     gw.cluster = FakeCluster([up, down, triton])
-    gw.parts = Parts(Decoders())  # type: ignore[attr-defined]
+    gw.decoders = Decoders()  # type: ignore[attr-defined]
     return gw, a, b
 
 

@@ -89,9 +89,9 @@ def test_config_file_entries_come_before_the_flags(tmp_path: Path) -> None:
     path = tmp_path / "gateway.yaml"
     path.write_text("trace_config:\n  - level=TIMESTAMPS\n  - rate=5\n")
     config = load_config(path, trace_config=["rate=7"])
-    assert (trace_config(config).level, trace_config(config).rate) == (("TIMESTAMPS",), 7)
+    assert (trace_config(config.extra).level, trace_config(config.extra).rate) == (("TIMESTAMPS",), 7)
     with pytest.raises(ConfigError, match="rate must be >= 1"):
-        trace_config(load_config(path, trace_config=["rate=0"]))
+        trace_config(load_config(path, trace_config=["rate=0"]).extra)
 
 
 def _request(model: str = "simple") -> InferRequest:

@@ -306,7 +306,9 @@ def registry(model_repo: Path, workers: int, **settings: object) -> tuple[Parall
     config = GatewayConfig(models={"enc": {"from": "encoder", **settings}}, model_repository=str(model_repo))
     cluster = FakeCluster(workers, source_info(model_repo))
     sender = ClusterSender(cluster)
-    return ParallelModels(config, cluster, sender), cluster, sender  # type: ignore[arg-type]
+    models = ParallelModels(config.logical_models(), cluster, sender, model_repository=config.model_repository,
+                            max_inflight_per_replica=config.batching.max_inflight_per_replica)
+    return models, cluster, sender  # type: ignore[arg-type]
 
 
 def batch_request(x: np.ndarray) -> service_pb2.ModelInferRequest:

@@ -30,7 +30,7 @@ from gateway.security.api_keys import (
 )
 from gateway.security.frontend_auth import grpc_access, grpc_secret, http_access, http_auth_middleware, http_secret
 from gateway.security.setup import GatewaySecurity, local_worker_token, worker_client_factory
-from gateway.settings import ConfigError, GatewayConfig, SecuritySettings, WorkerSpec
+from gateway.settings import ConfigError, SecuritySettings, WorkerSpec
 from protos.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from workers.auth import TokenInterceptor, WorkerAuthError, WorkerSecurity
 
@@ -273,7 +273,7 @@ def test_keys_from_files_and_environment(tmp_path: Path, monkeypatch: pytest.Mon
     assert config.security.admin_key_file == str(tmp_path / "admin")
     assert ONLY in config.security.api_keys_env and "from-yaml" not in config.security.api_keys_env
     assert ONLY not in repr(config)
-    keys = load_key_store(config)
+    keys = load_key_store(config.security)
     assert keys is not None and len(keys) == 4
     keys.check(Access.MODEL, ONLY, "mlp")
     keys.check(Access.MODEL, FULL, "mlp")
@@ -285,17 +285,17 @@ def test_no_keys_configured_means_no_store(monkeypatch: pytest.MonkeyPatch) -> N
     for name in ("INFERGATE_API_KEYS", "INFERGATE_ADMIN_KEYS", "INFERGATE_WORKER_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     config = load_config(None)
-    assert load_key_store(config) is None
-    security = GatewaySecurity.from_config(config)
+    assert load_key_store(config.security) is None
+    security = GatewaySecurity.from_settings(config.security, config.host)
     assert security.grpc_interceptors() == [] and security.ssl_context is None
 
 
 def test_unreadable_or_empty_key_files_stop_the_start(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
-        load_key_store(GatewayConfig(security=SecuritySettings(api_key_file=str(tmp_path / "missing"))))
+        load_key_store(SecuritySettings(api_key_file=str(tmp_path / "missing")))
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ConfigError, match="holds no key"):
-        load_key_store(GatewayConfig(security=SecuritySettings(admin_key_file=str(tmp_path / "empty"))))
+        load_key_store(SecuritySettings(admin_key_file=str(tmp_path / "empty")))
 
 
 @pytest.mark.parametrize("given", [{"tls_cert": "c.pem"}, {"tls_key": "k.pem"}, {"worker_tls_key": "k.pem"}])
@@ -306,26 +306,28 @@ def test_certificate_and_key_go_together(given: dict[str, str]) -> None:
 
 def test_worker_clients_carry_the_token_to_infergate_workers_only(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("s3cret-token\n")
-    make = worker_client_factory(GatewayConfig(security=SecuritySettings(worker_token_file=str(tmp_path / "token"))))
+    make = worker_client_factory(SecuritySettings(worker_token_file=str(tmp_path / "token")), stream_calls=False,
+                                 packed_streams=True)
     ours = make(WorkerSpec("127.0.0.1:1"))
     triton = make(WorkerSpec("127.0.0.1:2", kind="triton", headers=(("x-h", "v"),)))
     assert ("authorization", "Bearer s3cret-token") in ours._metadata  # noqa: SLF001
     assert triton._metadata == (("x-h", "v"),)  # noqa: SLF001
     (tmp_path / "bad").write_text("two words\n")
     with pytest.raises(ConfigError):
-        worker_client_factory(GatewayConfig(security=SecuritySettings(worker_token_file=str(tmp_path / "bad"))))
+        worker_client_factory(SecuritySettings(worker_token_file=str(tmp_path / "bad")), stream_calls=False,
+                              packed_streams=True)
 
 
 def test_up_makes_a_private_random_token(tmp_path: Path) -> None:
     dirs = [tmp_path / name for name in ("a", "b", "c")]
     for d in dirs:
         d.mkdir()
-    first = local_worker_token(dirs[0], GatewayConfig())
-    second = local_worker_token(dirs[1], GatewayConfig())
+    first = local_worker_token(dirs[0], SecuritySettings())
+    second = local_worker_token(dirs[1], SecuritySettings())
     assert first.stat().st_mode & 0o777 == 0o600
     assert len(first.read_text().strip()) >= 32 and first.read_text() != second.read_text()
     # A token from the environment is the one both sides get.
-    from_env = local_worker_token(dirs[2], GatewayConfig(security=SecuritySettings(worker_token="from-env-token")))
+    from_env = local_worker_token(dirs[2], SecuritySettings(worker_token="from-env-token"))
     assert from_env.read_text().strip() == "from-env-token"
 
 
