@@ -34,12 +34,11 @@ from gateway.fleet.worker_stream import InferStream, StreamLost
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, Overloaded, Unavailable, from_grpc_code
 from serverkit import tracing
+from serverkit.grpc_server import is_ping_refusal, keepalive_channel_options, keepalive_time_ms
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 2**31 - 1
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
 # The two channels of a client: bulk calls, and the small calls probes make.
 _DATA = "data"
 _SERVICE = "inference.GRPCInferenceService"
@@ -64,6 +63,11 @@ class WorkerBusy(Overloaded):
     """The worker refused the call for now: its queue for the model is full
     (a refusal with a retry hint, or Triton's "Exceeds maximum queue size").
     Retryable on another replica, and no fault of the worker."""
+
+
+class PingsRefused(WorkerBusy):
+    """The worker closed the connection for too many keepalive pings (GOAWAY "too_many_pings"):
+    retryable, and no fault of the worker; the channel reconnects, pinging less often."""
 
 
 class RestrictedProtocol(Unavailable):
@@ -111,6 +115,7 @@ class WorkerClient:
         headers: Mapping[str, str] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         reconnect_backoff_max_ms: int = 1000,
+        keepalive_ms: int | None = None,
         stream_calls: bool = False,
         packed_streams: bool = False,
     ) -> None:
@@ -132,9 +137,8 @@ class WorkerClient:
             # refusal) is closed when a ping goes unanswered, and the channel
             # reconnects; without it, calls queue on the dead connection until
             # TCP's retransmission timer, backed off to minutes, fires again.
-            # Pings go only while calls are open (the server's ping policy).
-            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # Pings go only while calls are open, no more often than the worker's kind accepts.
+            *keepalive_channel_options(keepalive_ms or keepalive_time_ms(kind)),
         ]
         # Made on first use: a grpc.aio channel belongs to the event loop it is
         # created on, and clients may be built before the gateway's loop runs.
@@ -204,6 +208,8 @@ class WorkerClient:
     def _map_error(self, e: grpc.aio.AioRpcError, lane: str = _DATA) -> InferGateError:
         code = e.code()
         details = e.details() or code.name
+        if code is grpc.StatusCode.UNAVAILABLE and is_ping_refusal(details):
+            return PingsRefused(f"worker {self.address}: {details}")
         # A worker that answers UNAVAILABLE itself (model not ready, shutting
         # down) keeps its connection; a dead or unreachable one does not. The
         # channel leaves READY before the failed call is reported, so its
@@ -296,7 +302,8 @@ class WorkerClient:
         try:
             answer = await self._stream.infer(request, timeout_s)
         except StreamLost as e:
-            raise WorkerUnreachable(e.message) from None
+            raise (PingsRefused(e.message) if is_ping_refusal(e.message)
+                   else WorkerUnreachable(e.message)) from None
         # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
         answer.infer_response.id = request.id
         return answer
@@ -304,7 +311,7 @@ class WorkerClient:
     def _packed_call_lost(self, e: grpc.aio.AioRpcError) -> InferGateError:
         # The packed call is long-lived: it fails with its connection or its worker (a worker
         # stopping cancels it), whatever state the channel reports at that moment.
-        if e.code() not in _TRANSPORT_CODES:
+        if e.code() not in _TRANSPORT_CODES or is_ping_refusal(e.details() or ""):
             return self.map_error(e)
         return WorkerUnreachable(f"worker {self.address}: streamed requests' call lost "
                                  f"({e.code().name}: {e.details() or ''})")

@@ -125,7 +125,9 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
         headers: dict[str, Any] = dict(spec.headers)
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
+        keepalive_s = config.triton_keepalive_s if spec.kind == "triton" else config.worker_keepalive_s
         return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials,
+                            keepalive_ms=round(keepalive_s * 1000),
                             stream_calls=config.worker_calls == "stream",
                             packed_streams=config.worker_streams == "packed")
 
