@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from gateway.config import load_config
+from gateway.fleet.worker_client import PingsRefused, WorkerBusy, WorkerClient
 from gateway.security.setup import worker_client_factory
 from gateway.settings import ConfigError, WorkerSpec
 from serverkit.grpc_server import (
@@ -64,3 +66,13 @@ def test_a_keepalive_below_the_workers_floor_is_refused() -> None:
 ])
 def test_a_ping_refusal_is_told_from_other_lost_connections(details: str, refused: bool) -> None:
     assert is_ping_refusal(details) is refused
+
+
+def test_the_worker_client_takes_a_ping_refusal_for_no_fault_of_the_worker() -> None:
+    client = WorkerClient("127.0.0.1:1")
+    refusal = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "Too many pings")
+    error = client.map_error(refusal)
+    # WorkerBusy: the router retries it elsewhere and neither charges a failure nor marks the worker DOWN.
+    assert isinstance(error, PingsRefused) and isinstance(error, WorkerBusy)
+    assert isinstance(client._packed_call_lost(refusal), PingsRefused)
