@@ -50,7 +50,7 @@ from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.security.setup import GatewaySecurity, add_security_arguments, security_overrides
 from gateway.settings import MODEL_CONTROL_MODES, ConfigError, GatewayConfig
 from serverkit import tracing
-from serverkit.grpc_server import BURST_OPTIONS
+from serverkit.grpc_server import BURST_OPTIONS, KEEPALIVE_SERVER_OPTIONS
 from serverkit.listen import Listener, cannot_listen, cannot_listen_on, unavailable_ports
 from serverkit.process import install_event_loop_policy, set_switch_interval, setup_logging, wait_for_signal, write_ready_file
 
@@ -234,6 +234,8 @@ async def start_gateway(
         ("grpc.so_reuseport", 1 if group is not None else 0),
         # Every call of a burst reaches the handlers, which serve it or refuse it with a retry hint.
         *BURST_OPTIONS,
+        # Clients' keepalive pings as often as a gateway sends its workers are accepted.
+        *KEEPALIVE_SERVER_OPTIONS,
     ])
     # One registry of client shared-memory regions and one set of log settings for both frontends, as in Triton.
     # CUDA shared memory is served only where this process really sees a GPU (asked once, here).

@@ -214,10 +214,17 @@ def build_local(config: GatewayConfig) -> LocalReplica | None:
         raise ConfigError(f"local execution: {e.message}") from None
 
 
+def remote_replicas(config: GatewayConfig) -> ClientFactory:
+    """Makes each remote worker's replica: with the worker token and TLS when configured, its transports
+    (``worker_calls``, ``worker_streams``) and its keepalive period (per kind)."""
+    return worker_client_factory(config.security, stream_calls=config.worker_calls == "stream",
+                                 packed_streams=config.worker_streams == "packed",
+                                 worker_keepalive_s=config.worker_keepalive_s,
+                                 triton_keepalive_s=config.triton_keepalive_s)
+
+
 def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> Cluster:
-    # With the worker token and TLS, when configured.
-    remote: ClientFactory = worker_client_factory(config.security, stream_calls=config.worker_calls == "stream",
-                                                  packed_streams=config.worker_streams == "packed")
+    remote = remote_replicas(config)
 
     def factory(spec: WorkerSpec) -> Replica:  # the local replica is one more replica, in this process
         return local if local is not None and spec == LOCAL_SPEC else remote(spec)

@@ -38,6 +38,7 @@ from gateway.settings import (
     check_address,
     config_keys,
 )
+from serverkit.grpc_server import MIN_KEEPALIVE_TIME_MS
 
 __all__ = ["BATCHING_MODES", "DEPRECATED_KEYS", "MODEL_CONTROL_MODES", "PARALLEL_KEYS", "PLACEMENT_KEYS",
            "WORKER_KINDS", "ConfigError", "GatewayConfig", "WorkerSpec", "load_config", "parse_bool"]
@@ -267,6 +268,11 @@ def _validate(config: GatewayConfig) -> None:
     for key in ("max_request_bytes", "default_timeout_s"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {getattr(config, key)}")
+    if not config.worker_keepalive_s * 1000 >= MIN_KEEPALIVE_TIME_MS:
+        raise ConfigError(f"worker_keepalive_s must be at least {MIN_KEEPALIVE_TIME_MS / 1000:g} "
+                          f"(infergate workers accept two pings a second), got {config.worker_keepalive_s}")
+    if not config.triton_keepalive_s > 0:
+        raise ConfigError(f"triton_keepalive_s must be positive, got {config.triton_keepalive_s}")
     if config.local.enabled and not config.model_repository:
         raise ConfigError("local.enabled needs model_repository: the models the gateway runs itself")
     for key in ("http_port", "grpc_port"):

@@ -372,6 +372,11 @@ class GatewayConfig:
     # "packed" or "per_request": how streamed requests reach infergate workers
     # (gateway.replicas.packed_streams).
     worker_streams: str = "packed"
+    # Seconds a worker's connection may be silent, with calls open, before the gateway pings it
+    # (serverkit.grpc_server's defaults, a test checks): an infergate worker's, and a Triton
+    # server's (which by default refuses pings less than 300 s apart).
+    worker_keepalive_s: float = 10.0
+    triton_keepalive_s: float = 310.0
     default_timeout_s: float = 60.0
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0

@@ -34,7 +34,20 @@ if TYPE_CHECKING:
     from loadtest.stream_report import StreamBenchResult
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one its help does not already give."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if ("default" in help_text or default in (None, False, "", [], argparse.SUPPRESS)
+                or not action.option_strings):
+            return action.help
+        return f"{help_text} (default: %(default)s)" if help_text else "default: %(default)s"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsHelpFormatter
     add = parser.add_argument
     target = parser.add_argument_group("target")
     target.add_argument("-m", "--model-name", dest="model", required=True, help="model to load-test")

@@ -1,4 +1,6 @@
-"""gRPC server settings that let a ``grpc.aio`` server take a burst of calls.
+"""gRPC settings shared by infergate's servers and the gateway's channels to
+its workers: a burst of calls taken in full, and keepalive pings that servers
+accept.
 
 gRPC core keeps every call that has arrived but that the application has not
 yet asked for on a pending list. A ``grpc.aio`` server asks for calls one at
@@ -34,3 +36,69 @@ BURST_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server.max_pending_requests", _NO_PENDING_LIMIT),
     ("grpc.server.max_pending_requests_hard_limit", _NO_PENDING_LIMIT),
 )
+
+
+# ---- keepalive -----------------------------------------------------------------
+#
+# The gateway's channels to a worker ping its connection when it has been
+# silent for the keepalive time while calls are open, and close it when a ping
+# goes unanswered: a cut link (no reset, no refusal) is found in seconds, not
+# after TCP's retransmission timer. A gRPC server counts a ping that comes
+# sooner than its ``grpc.http2.min_ping_interval_without_data_ms`` (gRPC
+# core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS) after
+# the previous one with no data between (5 min by default, 2 h while it has
+# no call open unless ``grpc.keepalive_permit_without_calls``) as a strike,
+# and past ``grpc.http2.max_ping_strikes`` (2) it answers GOAWAY
+# ENHANCE_YOUR_CALM "too_many_pings" and drops the connection with every
+# call on it. The gateway's packed stream call to a worker stays open while
+# idle, so its pings (every 10 s against the defaults) were refused after a
+# few silent periods and a healthy worker was marked DOWN within minutes of
+# light streaming. The client's periods and the servers' limits are set
+# here, together.
+
+# How long an infergate worker's connection may be silent, with calls open, before the gateway pings it.
+KEEPALIVE_TIME_MS = 10_000
+# How long the gateway waits for a ping's answer before it closes the connection.
+KEEPALIVE_TIMEOUT_MS = 5_000
+# The shortest keepalive time a gateway may be configured with: twice what the servers accept.
+MIN_KEEPALIVE_TIME_MS = 1_000
+# What infergate's gRPC servers (workers, the gateway) accept: a ping every half second, with or without calls.
+MIN_RECV_PING_INTERVAL_MS = MIN_KEEPALIVE_TIME_MS // 2
+# A Triton server with its defaults (``--grpc-http2-min-recv-ping-interval-without-data``
+# 300000, ``--grpc-http2-max-ping-strikes`` 2) refuses pings less than 300 s apart.
+TRITON_MIN_RECV_PING_INTERVAL_MS = 300_000
+TRITON_KEEPALIVE_TIME_MS = TRITON_MIN_RECV_PING_INTERVAL_MS + 10_000
+
+# The gateway's own server, open to any client: pings as often as a gateway sends its workers are
+# accepted, a client pinging faster is still told to calm down (gRPC's default strikes, as Triton).
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+    # A ping that crosses the end of the last call is no strike.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 2),
+)
+# A worker's server, whose one client is the gateway: it never answers pings with GOAWAY
+# (0 strikes: no limit), whatever pings a gateway's connection sends beside its keepalive.
+WORKER_KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    *KEEPALIVE_SERVER_OPTIONS[:2],
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
+def keepalive_time_ms(kind: str) -> int:
+    """The default keepalive time of a channel to a server of ``kind`` (``infergate`` or ``triton``)."""
+    return TRITON_KEEPALIVE_TIME_MS if kind == "triton" else KEEPALIVE_TIME_MS
+
+
+def keepalive_channel_options(time_ms: int) -> tuple[tuple[str, int], ...]:
+    """A client channel's keepalive options: pings after ``time_ms`` of silence, only while calls are open."""
+    return (
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+    )
+
+
+def is_ping_refusal(details: str) -> bool:
+    """Whether a call's failure is a server's GOAWAY for too many pings (the connection, not the server, failed)."""
+    return "too many pings" in details.lower() or "too_many_pings" in details.lower()

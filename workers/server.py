@@ -42,7 +42,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from protos.errors import InferGateError
 from serverkit import process, tracing
-from serverkit.grpc_server import BURST_OPTIONS
+from serverkit.grpc_server import BURST_OPTIONS, WORKER_KEEPALIVE_OPTIONS
 from serverkit.listen import cannot_listen
 from workers.auth import WorkerAuthError, WorkerSecurity
 from workers.auth import add_arguments as add_access_arguments
@@ -195,6 +195,8 @@ async def serve(args: argparse.Namespace) -> int:
             ("grpc.so_reuseport", 0),
             # Every call of a burst reaches the handlers: served, or refused while the model's queue is full.
             *BURST_OPTIONS,
+            # The gateway's keepalive pings are never refused (serverkit.grpc_server).
+            *WORKER_KEEPALIVE_OPTIONS,
         ]
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)

@@ -89,6 +89,39 @@ def _parameters(pb: service_pb2.ModelInferResponse) -> dict[str, object]:
     return out
 
 
+class OpenStreams:
+    """How many streams are open, and a wait (for shutdown) until none is."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def opened(self) -> None:
+        self._count += 1
+        self._idle.clear()
+
+    def closed(self) -> None:
+        self._count -= 1
+        if not self._count:
+            self._idle.set()
+
+    async def wait_closed(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every open stream to end; how many are still open.
+
+        With none open it returns at once, whatever the time left: a shutdown
+        whose grace the batchers spent must not wait, nor warn, for nothing.
+        """
+        if not self._count:
+            return 0
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            if self._count:
+                log.warning("%d stream(s) still open after %.1f s", self._count, max(0.0, timeout_s))
+        return self._count
+
+
 class StreamPath:
     """Runs validated requests of decoupled models: routing, statistics, stream metrics."""
 
@@ -99,9 +132,7 @@ class StreamPath:
         self._latency = latency
         self.streams = streams
         # Open streams, for shutdown: it waits (within its grace) until none is.
-        self._open = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._open = OpenStreams()
 
     async def run(self, request: InferRequest, version: str, started: float) -> AsyncIterator[InferResponse]:
         """The responses of a validated, admitted request, as its worker sends them."""
@@ -113,8 +144,7 @@ class StreamPath:
         last = started  # the previous response's arrival: a generation's inter-token gap
         outcome: str | None = "Cancelled"  # until the stream ends one way or the other
         self.streams.opened(model, version)
-        self._open += 1
-        self._idle.clear()
+        self._open.opened()
         try:
             async with aclosing(self._routing.stream(model, version, pb, request.deadline)) as responses:
                 async for response, arrived in responses:
@@ -135,9 +165,7 @@ class StreamPath:
             outcome = type(e).__name__
             raise
         finally:
-            self._open -= 1
-            if not self._open:
-                self._idle.set()
+            self._open.closed()
             self.streams.closed(model, version, sent)
             total_s = time.monotonic() - started
             if outcome is None:
@@ -150,11 +178,7 @@ class StreamPath:
 
     async def wait_closed(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for every open stream to end; how many are still open."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
-        except asyncio.TimeoutError:
-            log.warning("%d stream(s) still open after %.1f s", self._open, timeout_s)
-        return self._open
+        return await self._open.wait_closed(timeout_s)
 
     def forwarded(self, response: InferResponse) -> None:
         """A frontend wrote ``response`` to its client: the gap since its worker's response arrived."""

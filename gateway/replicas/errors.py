@@ -23,6 +23,11 @@ class WorkerBusy(Overloaded):
     fault of this one."""
 
 
+class PingsRefused(WorkerBusy):
+    """The worker closed the connection for too many keepalive pings (GOAWAY "too_many_pings"):
+    retryable, and no fault of the worker; the channel reconnects, pinging less often."""
+
+
 class RestrictedProtocol(Unavailable):
     """The worker refused a protocol group that the headers sent do not unlock
     (Triton's ``--grpc-restricted-protocol``): the worker is up, the call is not allowed."""

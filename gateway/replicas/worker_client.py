@@ -35,8 +35,8 @@ from typing import TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from gateway.replicas.errors import (ModelControlDisabled, ModelNotReady, RestrictedProtocol, WorkerBusy,
-                                     WorkerUnreachable)
+from gateway.replicas.errors import (ModelControlDisabled, ModelNotReady, PingsRefused, RestrictedProtocol,
+                                     WorkerBusy, WorkerUnreachable)
 from gateway.replicas.grpc_stream import call_responses
 from gateway.replicas.packed_streams import PackedStreams
 from gateway.replicas.replica import StreamItem
@@ -45,12 +45,11 @@ from protos import collective_pb2, wire
 from protos.collective_pb2_grpc import CollectiveStub
 from protos.errors import InferGateError, from_grpc_code
 from serverkit import tracing
+from serverkit.grpc_server import is_ping_refusal, keepalive_channel_options, keepalive_time_ms
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 2**31 - 1
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
 # The two channels of a client: bulk calls, and the small calls probes make.
 _DATA = "data"
 _SERVICE = "inference.GRPCInferenceService"
@@ -97,6 +96,7 @@ class WorkerClient:
         headers: Mapping[str, str] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         reconnect_backoff_max_ms: int = 1000,
+        keepalive_ms: int | None = None,
         stream_calls: bool = False,
         packed_streams: bool = False,
     ) -> None:
@@ -118,9 +118,8 @@ class WorkerClient:
             # refusal) is closed when a ping goes unanswered, and the channel
             # reconnects; without it, calls queue on the dead connection until
             # TCP's retransmission timer, backed off to minutes, fires again.
-            # Pings go only while calls are open (the server's ping policy).
-            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # Pings go only while calls are open, no more often than the worker's kind accepts.
+            *keepalive_channel_options(keepalive_ms or keepalive_time_ms(kind)),
         ]
         # Made on first use: a grpc.aio channel belongs to the event loop it is
         # created on, and clients may be built before the gateway's loop runs.
@@ -190,6 +189,8 @@ class WorkerClient:
     def _map_error(self, e: grpc.aio.AioRpcError, lane: str = _DATA) -> InferGateError:
         code = e.code()
         details = e.details() or code.name
+        if code is grpc.StatusCode.UNAVAILABLE and is_ping_refusal(details):
+            return PingsRefused(f"worker {self.address}: {details}")
         # A worker that answers UNAVAILABLE itself (model not ready, shutting
         # down) keeps its connection; a dead or unreachable one does not. The
         # channel leaves READY before the failed call is reported, so its
@@ -279,7 +280,12 @@ class WorkerClient:
                 response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
             )
             self._stream = InferStream(lambda: method(metadata=self._call_metadata), self.address)
-        answer = await self._stream.infer(request, timeout_s)
+        try:
+            answer = await self._stream.infer(request, timeout_s)
+        except WorkerUnreachable as e:
+            if is_ping_refusal(e.message):
+                raise PingsRefused(e.message) from None
+            raise
         # The worker echoed the stream's own id; the caller sees its request's, as from a unary call.
         answer.infer_response.id = request.id
         return answer
@@ -287,7 +293,7 @@ class WorkerClient:
     def _packed_call_lost(self, e: grpc.aio.AioRpcError) -> InferGateError:
         # The packed call is long-lived: it fails with its connection or its worker (a worker
         # stopping cancels it), whatever state the channel reports at that moment.
-        if e.code() not in _TRANSPORT_CODES:
+        if e.code() not in _TRANSPORT_CODES or is_ping_refusal(e.details() or ""):
             return self.map_error(e)
         return WorkerUnreachable(f"worker {self.address}: streamed requests' call lost "
                                  f"({e.code().name}: {e.details() or ''})")

@@ -36,7 +36,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.batching.seams import Clock
 from gateway.fleet.cluster import Cluster, WorkerState
-from gateway.replicas.errors import ModelNotReady, WorkerBusy, WorkerUnreachable
+from gateway.replicas.errors import ModelNotReady, PingsRefused, WorkerBusy, WorkerUnreachable
 from gateway.replicas.replica import StreamItem
 from gateway.routing.attempts import AttemptFailed
 from gateway.routing.capacity import InflightBounds
@@ -123,6 +123,9 @@ class Tries:
     def judge(self, worker: WorkerState, model: str, version: str, error: InferGateError) -> NoReturn:
         """Raise what ``error`` from ``worker`` means for the call: ``AttemptFailed`` when another
         try may serve it (charging ``worker`` where it is at fault), else the error as it is."""
+        if isinstance(error, PingsRefused):
+            # The connection closed for its keepalive pings: no fault and no load; retried, even there.
+            raise AttemptFailed(error, worker_fault=False) from None
         if isinstance(error, WorkerBusy):
             # A full queue is load, not a sick worker: another replica may have room.
             raise AttemptFailed(error, worker_fault=False, busy=True) from None

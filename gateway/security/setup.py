@@ -112,11 +112,12 @@ def worker_token(security: SecuritySettings) -> str:
     return token
 
 
-def worker_client_factory(security: SecuritySettings, *, stream_calls: bool,
-                          packed_streams: bool) -> Callable[[WorkerSpec], WorkerClient]:
+def worker_client_factory(security: SecuritySettings, *, stream_calls: bool, packed_streams: bool,
+                          worker_keepalive_s: float, triton_keepalive_s: float) -> Callable[[WorkerSpec], WorkerClient]:
     """Makes each worker's client with the token (infergate workers only: a
     Triton server has no use for it) and the TLS credentials, when configured;
-    ``stream_calls`` and ``packed_streams``: the config's ``worker_calls`` and ``worker_streams``."""
+    ``stream_calls`` and ``packed_streams``: the config's ``worker_calls`` and ``worker_streams``;
+    the keepalive period of a channel to an infergate worker and to a Triton server."""
     token = worker_token(security)
     credentials = None
     if security.worker_tls_ca or security.worker_tls_cert:
@@ -127,7 +128,9 @@ def worker_client_factory(security: SecuritySettings, *, stream_calls: bool,
         headers: dict[str, Any] = dict(spec.headers)
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
+        keepalive_s = triton_keepalive_s if spec.kind == "triton" else worker_keepalive_s
         return WorkerClient(spec.address, kind=spec.kind, headers=headers, credentials=credentials,
+                            keepalive_ms=round(keepalive_s * 1000),
                             stream_calls=stream_calls,
                             packed_streams=packed_streams)
 

@@ -15,6 +15,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.fleet.cluster import Cluster
+from gateway.replicas.errors import PingsRefused
 from gateway.replicas.replica import Replica, StreamItem
 from gateway.routing.outlier import CircuitState, OutlierDetector
 from gateway.routing.retry_budget import RetryBudget
@@ -175,6 +176,30 @@ async def test_retries_are_refused_once_the_budget_is_spent_the_same_for_batches
         # Every call that went first to the failing replica was refused a retry (none got through it).
         assert refused == replicas["bad:1"].calls > 0
         assert replicas["good:1"].calls == 20 - refused
+    finally:
+        router.close()
+        await cluster.stop()
+
+
+async def test_a_connection_closed_for_its_pings_is_retried_even_on_the_only_replica_and_charged_to_no_one() -> None:
+    cluster, replicas = await cluster_of("a:1")
+    router = Router(cluster)
+    replica = replicas["a:1"]
+    refusals = [PingsRefused("worker a:1: Too many pings")]
+    served = replica.infer
+
+    async def infer(request: object, timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
+        if refusals:
+            replica.calls += 1
+            raise refusals.pop()
+        return await served(request, timeout_s)
+
+    replica.infer = infer  # type: ignore[method-assign]
+    try:
+        answer = await router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None)
+        (worker,) = cluster.workers()
+        assert answer.id == "a:1" and replica.calls == 2
+        assert worker.failures == 0 and router.outliers.state("a:1") is CircuitState.CLOSED
     finally:
         router.close()
         await cluster.stop()

@@ -307,7 +307,7 @@ def test_certificate_and_key_go_together(given: dict[str, str]) -> None:
 def test_worker_clients_carry_the_token_to_infergate_workers_only(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("s3cret-token\n")
     make = worker_client_factory(SecuritySettings(worker_token_file=str(tmp_path / "token")), stream_calls=False,
-                                 packed_streams=True)
+                                 packed_streams=True, worker_keepalive_s=10.0, triton_keepalive_s=310.0)
     ours = make(WorkerSpec("127.0.0.1:1"))
     triton = make(WorkerSpec("127.0.0.1:2", kind="triton", headers=(("x-h", "v"),)))
     assert ("authorization", "Bearer s3cret-token") in ours._metadata  # noqa: SLF001
@@ -315,7 +315,7 @@ def test_worker_clients_carry_the_token_to_infergate_workers_only(tmp_path: Path
     (tmp_path / "bad").write_text("two words\n")
     with pytest.raises(ConfigError):
         worker_client_factory(SecuritySettings(worker_token_file=str(tmp_path / "bad")), stream_calls=False,
-                              packed_streams=True)
+                              packed_streams=True, worker_keepalive_s=10.0, triton_keepalive_s=310.0)
 
 
 def test_up_makes_a_private_random_token(tmp_path: Path) -> None:
