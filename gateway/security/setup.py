@@ -23,6 +23,8 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from gateway.replicas.openai_server import OpenAIServer
+from gateway.replicas.replica import Replica
 from gateway.replicas.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
@@ -111,9 +113,10 @@ def worker_token(config: GatewayConfig) -> str:
     return token
 
 
-def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], WorkerClient]:
+def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Replica]:
     """Makes each worker's client with the token (infergate workers only: a
-    Triton server has no use for it) and the TLS credentials, when configured."""
+    Triton server has no use for it) and the TLS credentials, when configured;
+    an OpenAI-protocol server's with its own headers and API key."""
     token = worker_token(config)
     credentials = None
     if config.security.worker_tls_ca or config.security.worker_tls_cert:
@@ -121,7 +124,9 @@ def worker_client_factory(config: GatewayConfig) -> Callable[[WorkerSpec], Worke
         credentials = grpc_channel_credentials(security.worker_tls_ca, security.worker_tls_cert,
                                                security.worker_tls_key)
 
-    def make(spec: WorkerSpec) -> WorkerClient:
+    def make(spec: WorkerSpec) -> Replica:
+        if spec.kind == "openai":
+            return OpenAIServer.for_spec(spec)
         headers: dict[str, Any] = dict(spec.headers)
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
