@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="HTTP/REST port (default 8000; 0 picks a free one)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 8001; 0 picks a free one)")
     parser.add_argument(
-        "--worker", action="append", default=[], metavar="[triton://]HOST:PORT",
-        help="a worker server; repeat for more. triton:// marks a Triton Inference Server",
+        "--worker", action="append", default=[], metavar="[triton://|openai://]HOST:PORT",
+        help="a worker server; repeat for more. triton:// marks a Triton Inference Server, "
+             "openai:// an OpenAI-protocol server (vLLM, SGLang, llama.cpp, transformers serve)",
     )
     parser.add_argument(
         "--worker-dns", action="append", default=[], metavar="[triton://]NAME:PORT",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-WORKER_KINDS = ("infergate", "triton")
+WORKER_KINDS = ("infergate", "triton", "openai")
 BATCHING_MODES = ("adaptive", "fixed", "off")
 MODEL_CONTROL_MODES = ("none", "explicit")
 WORKER_CALLS = ("unary", "stream")
@@ -46,21 +46,31 @@ def config_keys(group: type) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """One worker server: ``HOST:PORT`` (infergate) or ``triton://HOST:PORT``."""
+    """One worker server: ``HOST:PORT`` (infergate), ``triton://HOST:PORT`` or ``openai://HOST:PORT``
+    (an OpenAI-protocol server: vLLM, SGLang, llama.cpp, ``transformers serve``)."""
 
     address: str
     kind: str = "infergate"
     # Sent as gRPC metadata on statistics and repository calls (Triton's
-    # restricted-protocol tokens, e.g. triton-grpc-protocol-triton-access-token).
+    # restricted-protocol tokens, e.g. triton-grpc-protocol-triton-access-token);
+    # as HTTP headers on every call to an OpenAI-protocol server.
     headers: tuple[tuple[str, str], ...] = ()
+    # An OpenAI-protocol server's API key, sent as ``Authorization: Bearer KEY``.
+    api_key: str = ""
+    # The models an OpenAI-protocol server serves under these names, in place of
+    # its ``GET /v1/models`` list (a server that lists names it does not serve).
+    models: tuple[str, ...] = ()
+    # Streams the gateway opens at once on an OpenAI-protocol server (0: the default).
+    max_streams: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "WorkerSpec":
         text = text.strip()
         kind = "infergate"
-        for prefix in ("triton://", "grpc://", "infergate://"):
+        for prefix, named in (("triton://", "triton"), ("grpc://", "infergate"), ("infergate://", "infergate"),
+                              ("openai://", "openai")):
             if text.startswith(prefix):
-                kind = "triton" if prefix == "triton://" else "infergate"
+                kind = named
                 text = text[len(prefix):]
         check_address(text)
         return cls(address=text, kind=kind)
@@ -78,7 +88,17 @@ class WorkerSpec:
         headers = data.get("headers") or {}
         if not isinstance(headers, Mapping):
             raise ConfigError(f"workers entry {spec.address}: headers must be a mapping")
-        return cls(address=spec.address, kind=kind, headers=tuple((str(k).lower(), str(v)) for k, v in headers.items()))
+        extra = {key: data[key] for key in ("api_key", "models", "max_streams") if data.get(key) not in (None, "")}
+        if extra and kind != "openai":
+            raise ConfigError(f"workers entry {spec.address}: {', '.join(extra)} only apply to kind 'openai'")
+        models = extra.get("models", ())
+        if isinstance(models, str) or not all(isinstance(m, str) and m for m in models):
+            raise ConfigError(f"workers entry {spec.address}: models must be a list of model names")
+        max_streams = extra.get("max_streams", 0)
+        if not isinstance(max_streams, int) or isinstance(max_streams, bool) or max_streams < 0:
+            raise ConfigError(f"workers entry {spec.address}: max_streams must be a positive integer")
+        return cls(address=spec.address, kind=kind, headers=tuple((str(k).lower(), str(v)) for k, v in headers.items()),
+                   api_key=str(extra.get("api_key", "")), models=tuple(models), max_streams=max_streams)
 
 
 def check_address(address: str) -> None:

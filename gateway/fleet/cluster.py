@@ -38,7 +38,8 @@ from tritonclient.grpc import model_config_pb2
 from gateway.fleet.probe_deadline import LoopStalls, within
 from gateway.fleet.triton_discovery import check_health, read_model, ready_index
 from gateway.fleet.view import ModelInfo, WorkerModel, WorkerState, WorkerStatus, version_key
-from gateway.replicas.replica import Replica
+from gateway.replicas.openai_server import OpenAIServer
+from gateway.replicas.replica import Replica, ReportsLoad
 from gateway.replicas.worker_client import WorkerClient
 from gateway.settings import WorkerSpec
 from protos.errors import InferGateError
@@ -51,6 +52,8 @@ ClientFactory = Callable[[WorkerSpec], Replica]
 
 
 def _default_client(spec: WorkerSpec) -> Replica:
+    if spec.kind == "openai":
+        return OpenAIServer.for_spec(spec)
     return WorkerClient(spec.address, kind=spec.kind, headers=dict(spec.headers))
 
 
@@ -329,6 +332,8 @@ class Cluster:
         worker.consecutive_failures = 0
         worker.last_error = ""
         worker.index = index
+        if isinstance(worker.client, ReportsLoad):
+            worker.server_load = worker.client.server_load()
         if models is not None and models != worker.models:
             worker.models = models
             changed = True

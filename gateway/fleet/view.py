@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from gateway.replicas.replica import Replica
+from gateway.replicas.replica import Replica, ServerLoad
 from gateway.settings import WorkerSpec
 
 
@@ -65,6 +65,8 @@ class WorkerState:
     loaded: set[str] = field(default_factory=set)
     # Models its index shows it was asked to serve and cannot (name -> why): strict readiness.
     failed: dict[str, str] = field(default_factory=dict)
+    # The server's own queue and cache figures at the last probe, where its replica reads them (ReportsLoad).
+    server_load: ServerLoad | None = None
     # Serialises probes of this worker (the periodic loop and refresh()).
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

@@ -202,6 +202,10 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
                 "failures": counters.failures if counters else w.failures,
                 "retries": counters.retries if counters else w.retries,
             },
+            # The server's own queue and KV cache figures (an OpenAI-protocol server's metrics), when it has them.
+            "server_load": None if w.server_load is None else {
+                "waiting": w.server_load.waiting, "running": w.server_load.running,
+                "cache_usage": w.server_load.cache_usage},
             # Generation models' sequences and KV cache (gateway.observability.generation_usage).
             "generation": generating.pop(w.address, {}),
             "consecutive_probe_failures": w.consecutive_failures,

@@ -12,6 +12,10 @@ readiness, models, statistics, loads, ``close``); the implementations:
   ``long_call``);
 - ``local``: the models of a repository run in this process
   (``infergate serve``), with ``in_process`` for its streams.
+- ``openai_server``: an OpenAI-protocol server (vLLM, SGLang, llama.cpp,
+  ``transformers serve``), its models served under the generation contract
+  (``openai_contract``), its queue and cache use read from its metrics
+  (``server_metrics``).
 
 ``errors`` names the failures a replica reports beyond ``protos.errors``
 (unreachable, busy, a model not ready, ...): the router reads them to tell

@@ -7,9 +7,12 @@ extension reads it, and the router sends it requests: a batch (``infer``,
 one answer) or a streamed request of a decoupled model (``stream``, any
 number of answers, the last one final). Implementations:
 ``gateway.replicas.worker_client.WorkerClient`` (an infergate worker or a
-Triton server over gRPC) and ``gateway.replicas.local.LocalReplica`` (the
-models of a repository in this process); a test may write its own in a
-few lines.
+Triton server over gRPC), ``gateway.replicas.openai_server.OpenAIServer``
+(an OpenAI-protocol LLM server over HTTP) and
+``gateway.replicas.local.LocalReplica`` (the models of a repository in this
+process); a test may write its own in a few lines. A replica that reads its
+server's own queue and cache figures also offers them (:class:`ReportsLoad`):
+the cluster keeps the latest with the worker, the replica choice weighs them.
 
 Errors are ``protos.errors`` classes, with ``gateway.replicas.errors`` for
 what the router must tell apart (a replica lost, busy, or dropping a model).
@@ -20,6 +23,7 @@ router; after it, the stream ends with the error.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from tritonclient.grpc import model_config_pb2, service_pb2
@@ -49,7 +53,7 @@ class Replica(StreamSource, Protocol):
     """One server of models, as the cluster, placement and the router use it."""
 
     address: str  # unique in the cluster: HOST:PORT, or "local"
-    kind: str  # "infergate", "triton", "local"
+    kind: str  # "infergate", "triton", "openai", "local"
 
     @property
     def closed(self) -> bool: ...
@@ -90,6 +94,24 @@ class Replica(StreamSource, Protocol):
 
     async def close(self, grace_s: float | None = None) -> None:
         """Release the replica; with ``grace_s``, calls in flight get that long to finish."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """A server's own figures of its load, as its metrics state them when last read."""
+
+    waiting: float = 0.0  # requests queued on the server, not running yet (every client's)
+    running: float = 0.0  # requests running there
+    cache_usage: float = 0.0  # share of its KV cache in use, 0 to 1
+
+
+@runtime_checkable
+class ReportsLoad(Protocol):
+    """A replica that reads its server's load (``ServerLoad``) when probed."""
+
+    def server_load(self) -> ServerLoad | None:
+        """The figures of the last probe; None when the server exposes none."""
         ...
 
 

@@ -269,7 +269,8 @@ class AttemptRace(Generic[_W, _R]):
             raise self._suspects.cause
         if failures > policy.retry_limit:
             log.warning("model %s: giving up after %d attempts, last on %s: %s", model, failures, where, error)
-            raise Unavailable(f"no replica of model '{model}' could serve the request ({failures} attempts)")
+            raise Unavailable(f"no replica of model '{model}' could serve the request ({failures} attempts); "
+                              f"the last answered: {error}")
         if not policy.budget.try_acquire(failover=self._last_failover):
             if self._suspects:  # no confirming attempt: the cause goes back, no one is charged
                 raise self._suspects.cause

@@ -152,8 +152,20 @@ class InflightBounds:
         return min(busy, most), most
 
     def load(self, worker: WorkerState, model: str) -> float:
-        """Batches in flight per execution slot: idle replicas are equals whatever their sizes."""
-        return self.held(worker, model) / self.limits(worker, model)[0]
+        """Batches in flight per execution slot: idle replicas are equals whatever their sizes.
+
+        Where the server reports its own figures (an OpenAI-protocol server's
+        metrics, ``WorkerState.server_load``), its queue counts too (requests
+        waiting there, every client's, per slot), and the share of its KV
+        cache in use: of two servers with as many of our streams, the one
+        with the shorter queue and the emptier cache is the less loaded.
+        """
+        busy = self.limits(worker, model)[0]
+        load = self.held(worker, model) / busy
+        reported = worker.server_load
+        if reported is not None:
+            load += reported.waiting / busy + reported.cache_usage
+        return load
 
     def usable(self, pool: Sequence[WorkerState]) -> list[WorkerState]:
         """The READY replicas of ``pool`` whose circuit lets an attempt through now."""

@@ -1,6 +1,7 @@
 """Prefix-aware replica choice for generative models: a prompt goes where its prefix went.
 
-A generative model (its config says ``backend: "generate"``) keeps each
+A generative model (its config says ``backend: "generate"``, or it is a
+model of an OpenAI-protocol server, ``backend: "openai"``) keeps each
 running sequence's cache on one worker; a prompt that shares its opening
 with one served before is best sent to the same worker (its prefix may still
 be cached there), and a new prompt to the worker with the most free
@@ -9,7 +10,8 @@ generation capacity. :class:`PrefixAffinity` is that policy, a
 default least loaded) for every other call:
 
 - the key is a hash of the prompt's first ``prefix_bytes`` bytes (the
-  ``text_input`` input of a streamed request, :func:`prompt_key`), handed to
+  ``text_input`` input of a streamed request, or a chat's ``messages``
+  JSON, whose opening is its system prompt: :func:`prompt_key`), handed to
   the policy by :class:`PrefixStreamRouting` for the one call it routes
   (a context variable: the policy's signature carries no request);
 - a bounded LRU maps (model, key) to the worker address that served it;
@@ -20,8 +22,10 @@ default least loaded) for every other call:
 
 Free generation slots: the model's ``max_sequences`` config parameter (the
 worker's own bound, default :data:`DEFAULT_MAX_SEQUENCES` as the worker's)
-less the calls this gateway has in flight on that worker. The gateway does
-not ask the workers: its own count is exact for one gateway, and a worker
+less the calls this gateway has in flight on that worker, and less the
+requests waiting in the server's own queue where it reports them (an
+OpenAI-protocol server's metrics): the load that bounds affinity. Its own
+workers the gateway does not ask: its count is exact for one gateway, and a worker
 that is full after all refuses with a retryable error, which sends the
 stream elsewhere before its first response.
 """
@@ -39,6 +43,7 @@ from contextlib import aclosing
 from tritonclient.grpc import service_pb2
 
 from gateway.fleet.cluster import WorkerState
+from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import ReplicaChooser
 from gateway.routing.router import Router
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 
 GENERATE_BACKEND = "generate"
 PROMPT_INPUT = "text_input"
+MESSAGES_INPUT = "messages"  # a chat: its messages' JSON opens with the system prompt
 DEFAULT_PREFIX_BYTES = 64
 DEFAULT_ROUTES = 4096  # prefixes remembered (LRU)
 DEFAULT_MAX_SEQUENCES = 32  # the worker's default for a model without the parameter
@@ -64,9 +70,10 @@ def prompt_key(request: service_pb2.ModelInferRequest, prefix_bytes: int = DEFAU
     return hashlib.blake2b(prompt[:prefix_bytes], digest_size=16).digest()
 
 
-def _prompt(request: service_pb2.ModelInferRequest) -> bytes | None:
+def _prompt(request: service_pb2.ModelInferRequest, name: str = PROMPT_INPUT) -> bytes | None:
+    """The prompt's bytes (``text_input``), else a chat's messages as sent (the JSON of ``messages``)."""
     for i, tensor in enumerate(request.inputs):
-        if tensor.name != PROMPT_INPUT:
+        if tensor.name != name:
             continue
         if request.raw_input_contents:
             if i >= len(request.raw_input_contents):
@@ -81,13 +88,13 @@ def _prompt(request: service_pb2.ModelInferRequest) -> bytes | None:
     param = request.parameters.get(PROMPT_INPUT)
     if param is not None and param.WhichOneof("parameter_choice") == "string_param":
         return param.string_param.encode()
-    return None
+    return None if name == MESSAGES_INPUT else _prompt(request, MESSAGES_INPUT)
 
 
 def generation_slots(worker: WorkerState, model: str) -> int | None:
     """The sequences ``worker`` admits at once for ``model``, or None when it is no generative model there."""
     served = worker.models.get(model)
-    if served is None or served.config.backend != GENERATE_BACKEND:
+    if served is None or served.config.backend not in (GENERATE_BACKEND, OPENAI_BACKEND):
         return None
     stated = served.config.parameters.get("max_sequences")
     if stated is not None and stated.string_value.strip().isdigit() and int(stated.string_value) > 0:
@@ -147,9 +154,13 @@ class PrefixAffinity:
 
 def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None:
     """Streams ``worker`` may still start for ``model``: its ``max_sequences`` less the streams of
-    that model it holds (``InflightBounds.held``), not other models' calls; None when not generative."""
+    that model it holds (``InflightBounds.held``), not other models' calls, and less the requests
+    queued on the server where it reports them (``WorkerState.server_load``); None when not generative."""
     slots = generation_slots(worker, model)
-    return None if slots is None else max(0, slots - bounds.held(worker, model))
+    if slots is None:
+        return None
+    waiting = int(worker.server_load.waiting) if worker.server_load is not None else 0
+    return max(0, slots - bounds.held(worker, model) - waiting)
 
 
 class PrefixStreamRouting(StreamRouting):

@@ -23,6 +23,8 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from gateway.replicas.openai_server import OpenAIServer
+from gateway.replicas.replica import Replica
 from gateway.replicas.worker_client import WorkerClient
 from gateway.security.api_keys import KeyStore, load_key_store
 from gateway.security.frontend_auth import GrpcAuthInterceptor, http_auth_middleware
@@ -113,18 +115,21 @@ def worker_token(security: SecuritySettings) -> str:
 
 
 def worker_client_factory(security: SecuritySettings, *, stream_calls: bool, packed_streams: bool,
-                          worker_keepalive_s: float, triton_keepalive_s: float) -> Callable[[WorkerSpec], WorkerClient]:
+                          worker_keepalive_s: float, triton_keepalive_s: float) -> Callable[[WorkerSpec], Replica]:
     """Makes each worker's client with the token (infergate workers only: a
     Triton server has no use for it) and the TLS credentials, when configured;
     ``stream_calls`` and ``packed_streams``: the config's ``worker_calls`` and ``worker_streams``;
-    the keepalive period of a channel to an infergate worker and to a Triton server."""
+    the keepalive period of a channel to an infergate worker and to a Triton server. An
+    OpenAI-protocol server's replica carries its own headers and API key."""
     token = worker_token(security)
     credentials = None
     if security.worker_tls_ca or security.worker_tls_cert:
         credentials = grpc_channel_credentials(security.worker_tls_ca, security.worker_tls_cert,
                                                security.worker_tls_key)
 
-    def make(spec: WorkerSpec) -> WorkerClient:
+    def make(spec: WorkerSpec) -> Replica:
+        if spec.kind == "openai":
+            return OpenAIServer.for_spec(spec)
         headers: dict[str, Any] = dict(spec.headers)
         if token and spec.kind == "infergate":
             headers.setdefault(WORKER_TOKEN_HEADER, f"Bearer {token}")
