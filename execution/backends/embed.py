@@ -7,9 +7,10 @@ tokenized by the model's own ``tokenizer.json`` with its special tokens, as
 ``tokenizer(text)`` does) or ``input_ids`` (INT64 [tokens], the model's
 input as given, with ``attention_mask`` marking a shorter row's padding).
 Each row is checked before anything runs: an input longer than the model's
-limit is refused naming the limit (unless the request parameter
-``truncate_prompt_tokens`` asks to cut it: to that many tokens, -1 to the
-limit, keeping the tokenizer's special tokens on a text), a token id outside
+limit is refused naming the limit (unless the row's
+``truncate_prompt_tokens``, INT32 [1], asks to cut it: to that many tokens,
+-1 to the limit, keeping the tokenizer's special tokens on a text; a row of
+its own, so that rows of different requests may share a batch), a token id outside
 the vocabulary naming its size; ONNX Runtime never sees either. The rows
 then run in length-sorted groups (little padding, bounded memory), their
 token states pooled and normalised as the export's sentence-transformers
@@ -32,13 +33,14 @@ import numpy as np
 import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
-from execution.backends.base import BackendOptions, Placement, RequestContext
+from execution.backends.base import BackendOptions, Placement
 from execution.backends.hf_encoder import (
     EMBEDDING_OUTPUT,
     IDS_INPUT,
     MASK_INPUT,
     TEXT_INPUT,
     TOKENS_OUTPUT,
+    TRUNCATE_INPUT,
     EncoderSettings,
     complete_encoder_config,
     is_encoder_export,
@@ -55,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "embed"
 DEFAULT_MODEL_FILENAME = "model.onnx"
-TRUNCATE = "truncate_prompt_tokens"  # vLLM's name for the same request field
 # One run's padded tokens (rows x longest row) and rows: memory stays bounded whatever the request.
 RUN_TOKENS = 16384
 RUN_ROWS = 64
@@ -95,43 +96,46 @@ class EmbedInstance:
                                   f"hidden_size {settings.width}")
 
     async def infer(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
-        return await self.infer_with_context(inputs, output_names, RequestContext("", {}, output_names))
-
-    async def infer_with_context(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str],
-                                 context: RequestContext) -> dict[str, np.ndarray]:  # fmt: skip
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names),
-                                          context.parameters.get(TRUNCATE))
+        return await loop.run_in_executor(self._executor, self._run, inputs, list(output_names))
 
     # --- on a pool thread ---------------------------------------------------------------
 
-    def _limit(self, truncate: object) -> tuple[int, bool]:
-        """The most tokens a row may have, and whether longer rows are cut rather than refused."""
+    def _limits(self, inputs: Mapping[str, np.ndarray], rows: int) -> list[tuple[int, bool]]:
+        """Each row's most tokens, and whether a longer row is cut rather than refused."""
         limit = self._settings.max_tokens or (1 << 62)
-        if truncate is None:
-            return limit, False
-        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
-            raise InvalidArgument(f"'{TRUNCATE}' must be -1 (the model's limit) or a positive number of tokens")
-        if truncate > limit:
-            raise InvalidArgument(f"'{TRUNCATE}' is {truncate}, more than model '{self._model}' embeds "
-                                  f"({limit} tokens)")
-        return (limit if truncate == -1 else truncate), True
+        if TRUNCATE_INPUT not in inputs:
+            return [(limit, False)] * rows
+        asked = inputs[TRUNCATE_INPUT].reshape(-1)
+        if asked.size != rows:
+            raise InvalidArgument(f"'{TRUNCATE_INPUT}' must hold one value a row")
+        limits = []
+        for value in asked.tolist():
+            if value == 0 or value < -1:
+                raise InvalidArgument(f"'{TRUNCATE_INPUT}' must be -1 (the model's limit) or a positive number "
+                                      "of tokens")
+            if value > limit:
+                raise InvalidArgument(f"'{TRUNCATE_INPUT}' is {value}, more than model '{self._model}' embeds "
+                                      f"({limit} tokens)")
+            limits.append((limit if value == -1 else int(value), True))
+        return limits
 
-    def _rows(self, inputs: Mapping[str, np.ndarray], limit: int, cut: bool) -> list[list[int]]:
+    def _rows(self, inputs: Mapping[str, np.ndarray]) -> list[list[int]]:
         """Each row's token ids, checked (and cut where asked)."""
         if TEXT_INPUT in inputs:
             if IDS_INPUT in inputs:
                 raise InvalidArgument(f"send either '{TEXT_INPUT}' (texts) or '{IDS_INPUT}' (token ids), not both")
-            return self._encode(inputs[TEXT_INPUT], limit, cut)
+            texts = inputs[TEXT_INPUT].reshape(-1)
+            return self._encode(texts, self._limits(inputs, texts.size))
         if IDS_INPUT not in inputs:
             raise InvalidArgument(f"the request needs '{TEXT_INPUT}' (texts) or '{IDS_INPUT}' (token ids)")
         ids = inputs[IDS_INPUT]
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids.reshape(ids.shape[0], -1)
         mask = inputs.get(MASK_INPUT)
         if mask is not None:
-            mask = mask.reshape(ids.shape[0], -1) if mask.size == ids.size else None
-            if mask is None:
+            if mask.size != ids.size:
                 raise InvalidArgument(f"'{MASK_INPUT}' must have the shape of '{IDS_INPUT}'")
+            mask = mask.reshape(ids.shape)
         rows = [[int(t) for t in (row if mask is None else row[mask[r] != 0])] for r, row in enumerate(ids)]
         vocab = self._settings.vocab_size
         for index, row in enumerate(rows):
@@ -139,26 +143,30 @@ class EmbedInstance:
             if bad is not None:
                 raise InvalidArgument(f"input {index}: token id {bad} is not in the vocabulary of model "
                                       f"'{self._model}' ({vocab} tokens: ids 0 to {vocab - 1})")
-        return [self._checked(index, row[:limit] if cut else row, limit) for index, row in enumerate(rows)]
+        limits = self._limits(inputs, len(rows))
+        return [self._checked(index, row[:limit] if cut else row, limit)
+                for index, (row, (limit, cut)) in enumerate(zip(rows, limits))]
 
-    def _encode(self, texts: np.ndarray, limit: int, cut: bool) -> list[list[int]]:
+    def _encode(self, texts: np.ndarray, limits: list[tuple[int, bool]]) -> list[list[int]]:
         decoded: list[str] = []
-        for index, item in enumerate(texts.reshape(-1).tolist()):
+        for index, item in enumerate(texts.tolist()):
             try:
                 text = item if isinstance(item, str) else bytes(item).decode("utf-8")
             except UnicodeDecodeError:
                 raise InvalidArgument(f"input {index} ('{TEXT_INPUT}' element {index}) is not UTF-8") from None
             decoded.append(text.lower() if self._settings.lower_case else text)
         tokenizer = self._text.tokenizer
-        if not cut:
+        if not any(cut for _, cut in limits):
             encodings = tokenizer.encode_batch(decoded, add_special_tokens=True)
-            return [self._checked(i, list(e.ids), limit) for i, e in enumerate(encodings)]
+            return [self._checked(i, list(e.ids), limit) for i, (e, (limit, _)) in enumerate(zip(encodings, limits))]
         # Cut as transformers' truncation does: the text's own tokens first, its special tokens kept.
-        room = max(0, limit - tokenizer.num_special_tokens_to_add(False))
+        special = tokenizer.num_special_tokens_to_add(False)
         rows = []
-        for e in tokenizer.encode_batch(decoded, add_special_tokens=False):
-            e.truncate(room)
-            rows.append(list(tokenizer.post_process(e, None, True).ids))
+        for index, (e, (limit, cut)) in enumerate(zip(tokenizer.encode_batch(decoded, add_special_tokens=False),
+                                                      limits)):
+            if cut:
+                e.truncate(max(0, limit - special))
+            rows.append(self._checked(index, list(tokenizer.post_process(e, None, True).ids), limit))
         return rows
 
     def _checked(self, index: int, row: list[int], limit: int) -> list[int]:
@@ -167,15 +175,14 @@ class EmbedInstance:
         if len(row) > limit:
             raise InvalidArgument(
                 f"input {index} has {len(row)} tokens; model '{self._model}' embeds at most {limit} "
-                f"({self._settings.max_tokens_from}): shorten it, or ask for '{TRUNCATE}'")
+                f"({self._settings.max_tokens_from}): shorten it, or ask for '{TRUNCATE_INPUT}'")
         return row
 
-    def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str], truncate: object) -> dict[str, np.ndarray]:
+    def _run(self, inputs: Mapping[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         session = self._session
         if session is None:
             raise InvalidArgument("model instance was unloaded")
-        limit, cut = self._limit(truncate)
-        rows = self._rows(inputs, limit, cut)
+        rows = self._rows(inputs)
         vectors: np.ndarray | None = None
         for group in _groups(rows):
             longest = max(len(rows[i]) for i in group)

@@ -56,6 +56,7 @@ NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 TEXT_INPUT = "text_input"
 IDS_INPUT = "input_ids"
 MASK_INPUT = "attention_mask"
+TRUNCATE_INPUT = "truncate_prompt_tokens"  # vLLM's name for the same request field
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "prompt_tokens"
 # The most inputs one request may carry (OpenAI's bound on an embeddings request's list).
@@ -180,6 +181,7 @@ def complete_encoder_config(config: mc.ModelConfig, version_dir: Path) -> mc.Mod
         _add(config, TEXT_INPUT, mc.TYPE_STRING, [1], optional=True)
         _add(config, IDS_INPUT, mc.TYPE_INT64, [-1], optional=True)
         _add(config, MASK_INPUT, mc.TYPE_INT64, [-1], optional=True)
+        _add(config, TRUNCATE_INPUT, mc.TYPE_INT32, [1], optional=True)
     if not config.output:
         config.output.add(name=EMBEDDING_OUTPUT, data_type=mc.TYPE_FP32, dims=[settings.width or -1])
         config.output.add(name=TOKENS_OUTPUT, data_type=mc.TYPE_INT32, dims=[1])
