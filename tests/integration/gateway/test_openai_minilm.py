@@ -155,6 +155,9 @@ def test_the_export_is_served_with_no_config_as_an_embedding_model(served: Proc)
     params = {k: v["string_value"] for k, v in config["parameters"].items()}
     assert (params["max_tokens"], params["vocab_size"], params["pooling"], params["normalize"]) == \
         (str(LIMIT), str(VOCAB), "mean", "true")
+    # docs/openai.md's example
+    answer = _client(served).embeddings.create(model="minilm", input=["A man is playing a guitar.", "Hi."])
+    assert (len(answer.data[0].embedding), answer.usage.prompt_tokens) == (WIDTH, 13)
 
 
 def test_50_sentences_match_sentence_transformers_pipeline(served: Proc, reference: Reference) -> None:
