@@ -186,7 +186,7 @@ class EmbedInstance:
         vectors: np.ndarray | None = None
         for group in _groups(rows):
             longest = max(len(rows[i]) for i in group)
-            ids = np.zeros((len(group), longest), np.int64)
+            ids = np.full((len(group), longest), self._settings.pad_id, np.int64)
             mask = np.zeros((len(group), longest), np.int64)
             for r, i in enumerate(group):
                 ids[r, :len(rows[i])] = rows[i]

@@ -15,7 +15,7 @@ architecture ending in ``Model``) or a sentence-transformers
   [batch, width] (an export by the sentence-transformers library, pooled and
   normalised already);
 - ``config.json``: ``hidden_size`` (the width), ``vocab_size``,
-  ``max_position_embeddings``;
+  ``max_position_embeddings``, ``pad_token_id`` (what pads a shorter row);
 - ``tokenizer_config.json``: ``model_max_length``;
 - sentence-transformers' own files, as ``SentenceTransformer`` reads them:
   ``modules.json`` (a ``Normalize`` module listed: vectors of length 1),
@@ -81,6 +81,7 @@ class EncoderSettings:
 
     width: int
     vocab_size: int
+    pad_id: int
     max_tokens: int
     max_tokens_from: str  # which file set the limit, for the message that refuses a longer input
     pooling: Pooling
@@ -156,7 +157,9 @@ def read_encoder(version_dir: Path, model: str) -> EncoderSettings:
     known = [(n, where) for n, where in limits if n is not None and n < _UNBOUNDED]
     max_tokens, where = min(known) if known else (0, "")
     return EncoderSettings(
-        width=width, vocab_size=_positive(config.get("vocab_size")) or 0, max_tokens=max_tokens,
+        width=width, vocab_size=_positive(config.get("vocab_size")) or 0,
+        pad_id=pad if isinstance(pad := config.get("pad_token_id"), int) and not isinstance(pad, bool) else 0,
+        max_tokens=max_tokens,
         max_tokens_from=where, pooling=_pooling(version_dir, modules, model),
         normalize=any(m.get("type") == NORMALIZE_MODULE for m in modules),
         lower_case=sentence.get("do_lower_case") is True, sentence_transformers=bool(modules))

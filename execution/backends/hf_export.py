@@ -5,7 +5,8 @@ text-generation-with-past`` writes it, recognised and served with no
 Recognised (:func:`is_decoder_export`): a version directory holding
 ``model.onnx``, ``config.json`` and ``tokenizer.json`` whose config names a
 causal language model (an architecture ``...ForCausalLM`` or
-``...LMHeadModel``: an encoder's export, with the same files, is not one).
+``...LMHeadModel``: an encoder's export, with the same files, is not one;
+:mod:`execution.backends.hf_encoder` takes it).
 Read from it:
 
 - ``model.onnx``: inputs ``input_ids``, ``attention_mask``, optionally

@@ -202,8 +202,8 @@ def test_token_ids_embed_as_their_text_and_base64_is_the_same_floats(served: Pro
     assert refused.value.body["param"] == "dimensions" and str(WIDTH) in refused.value.body["message"]
 
 
-def test_too_long_inputs_and_unknown_token_ids_are_refused_in_the_models_terms(served: Proc,
-                                                                              reference: Reference) -> None:  # fmt: skip
+def test_too_long_inputs_and_unknown_token_ids_are_refused_in_the_models_terms(
+        served: Proc, reference: Reference) -> None:  # fmt: skip
     client = _client(served)
     long_text = " ".join(sentences()[25:40])
     assert len(reference.ids(long_text)) > LIMIT
