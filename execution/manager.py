@@ -42,6 +42,7 @@ from protos.errors import InferGateError, InvalidArgument, ModelNotFound, Unavai
 from protos.execution_slots import set_execution_slots
 from protos.generation_usage import add_usage, instances_usage
 from execution.backends.base import Backend, ConfigBackends, ModelInstance, Placement
+from execution.backends.hf_encoder import is_encoder_export
 from execution.backends.hf_export import is_decoder_export
 from execution.model import LoadedModel
 from execution.sequences import SequenceSettings
@@ -325,8 +326,12 @@ class ModelManager:
             if not config.input or not config.output:
                 raise InvalidArgument(f"ensemble '{name}' must declare its inputs and outputs")
             return _Built(config, [], {number: [] for number in numbers}, missing, [])
-        if not config.backend and not config.platform and is_decoder_export(model_dir / str(numbers[-1])):
-            config.backend = "generate"  # a Hugging Face decoder as exported: the generation backend serves it
+        if not config.backend and not config.platform:
+            latest = model_dir / str(numbers[-1])
+            if is_decoder_export(latest):
+                config.backend = "generate"  # a Hugging Face decoder as exported: the generation backend serves it
+            elif is_encoder_export(latest):
+                config.backend = "embed"  # an encoder as exported: the embedding backend serves it
         backend = self._backend_for(config)
         config = backend.complete_config(config, model_dir / str(numbers[-1]))
         placements = resolve_instance_groups(config, backend.gpu_count(), backend.cpu_instances)

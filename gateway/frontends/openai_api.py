@@ -14,8 +14,11 @@ it). A client that goes away cancels every stream of its request. The body
 shapes are ``openai_codec``'s; errors answer in OpenAI's shape
 (``openai_errors``).
 
-Embeddings run each input through the encoder model (byte ids, or token ids
-as given) and answer the mean of its ``HIDDEN`` states over the tokens.
+Embeddings: to a model of the embedding contract (``openai_codec``: an
+encoder export, which tokenizes and pools itself) all the inputs go in one
+request, texts or token ids its rows; to another encoder of token ids (the
+example ``encoder``) each input goes alone (its bytes, or token ids as given)
+and the answer is the mean of its ``HIDDEN`` states over the tokens.
 
 API keys: the access check (``gateway.security.frontend_auth``) refuses a
 request without a valid key before its body is read and leaves a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -48,8 +52,14 @@ from gateway.frontends.openai_codec import (
     chunk_json,
     completion_json,
     completion_request,
+    TRUNCATE,
+    EmbeddingRequest,
+    check_dimensions,
+    embedding_model_request,
     embedding_request,
+    embedding_vectors,
     embeddings_json,
+    is_embedding_model,
     final_counts,
     mean_pool,
     model_request,
@@ -328,33 +338,65 @@ class OpenAIApi:
         self._allow(request, e.model)
         config = self._core.model_config(e.model)
         metadata = self._core.model_metadata(e.model)
-        if not metadata.inputs or metadata.inputs[0].datatype not in ("INT64", "INT32"):
-            raise BadParameter(f"model '{e.model}' is not an encoder of token ids", "model")
-        token = metadata.inputs[0]
-        names = [o.name for o in metadata.outputs]
-        output = "HIDDEN" if "HIDDEN" in names else (names[0] if names else "")
-        dtype = np.int64 if token.datatype == "INT64" else np.int32
-        batched = config.max_batch_size > 0
-
-        async def embed(ids: tuple[int, ...], index: int) -> np.ndarray:
-            shape = (1, len(ids)) if batched else (len(ids),)
-            infer = InferRequest(model=e.model, version="", id=f"emb-{index}", outputs=[],
-                                 inputs=[Tensor(token.name, token.datatype, shape, np.array(ids, dtype).tobytes())])
+        contract = is_embedding_model({t.name: t.datatype for t in metadata.inputs}, [t.name for t in metadata.outputs])
+        if contract:
+            if config.max_batch_size > 0 and len(e.inputs) > config.max_batch_size:
+                raise BadParameter(f"'input' holds {len(e.inputs)} inputs; model '{e.model}' takes at most "
+                                   f"{config.max_batch_size} in one request", "input")
+            infers = [embedding_model_request(e, request_id=f"emb-{uuid.uuid4().hex}")]
+        else:
+            infers = _encoder_requests(e, config.max_batch_size > 0, metadata.inputs)
+        for infer in infers:
             infer.arrival = now
             apply_timeout_header(infer, request.headers.get(TIMEOUT_HEADER), now)
-            response = await self._core.infer(infer)
-            hidden = next((t for t in response.outputs if t.name == output), None)
-            if hidden is None or hidden.datatype != "FP32" or len(hidden.shape) < 2:
-                raise Internal(f"model '{e.model}' answered no FP32 hidden states [.., tokens, width]")
-            return mean_pool(hidden)
-
         try:
             async with asyncio.TaskGroup() as tasks:
-                jobs = [tasks.create_task(embed(ids, i)) for i, ids in enumerate(e.inputs)]
+                jobs = [tasks.create_task(self._core.infer(infer)) for infer in infers]
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
-        return web.Response(body=orjson.dumps(embeddings_json(e, [j.result() for j in jobs])),
-                            content_type="application/json")
+        responses = [j.result() for j in jobs]
+        if contract:
+            vectors, tokens = embedding_vectors(e, responses[0])
+        else:
+            names = [o.name for o in metadata.outputs]
+            output = "HIDDEN" if "HIDDEN" in names else (names[0] if names else "")
+            vectors = [_hidden_mean(e.model, r, output) for r in responses]
+            tokens = sum(len(ids) for ids in _encoder_ids(e))
+        check_dimensions(e, int(vectors[0].shape[-1]))
+        return web.Response(body=orjson.dumps(embeddings_json(e, vectors, tokens)), content_type="application/json")
+
+
+def _encoder_requests(e: EmbeddingRequest, batched: bool, inputs: Sequence[Any]) -> list[InferRequest]:
+    """One request an input to an encoder of token ids (the example ``encoder``): its first input."""
+    if not inputs or inputs[0].datatype not in ("INT64", "INT32"):
+        raise BadParameter(f"model '{e.model}' is neither an embedding model nor an encoder of token ids", "model")
+    token = inputs[0]
+    dtype = np.int64 if token.datatype == "INT64" else np.int32
+    infers = []
+    for index, ids in enumerate(_encoder_ids(e)):
+        shape = (1, len(ids)) if batched else (len(ids),)
+        infers.append(InferRequest(model=e.model, version="", id=f"emb-{index}", outputs=[], inputs=[
+            Tensor(token.name, token.datatype, shape, np.array(ids, dtype).tobytes())]))
+    return infers
+
+
+def _encoder_ids(e: EmbeddingRequest) -> tuple[tuple[int, ...], ...]:
+    """An encoder's token ids of each input, cut where the request asks (it states no limit of its own)."""
+    ids = e.byte_ids()
+    if e.truncate is None:
+        return ids
+    if e.truncate == -1:
+        raise BadParameter(f"model '{e.model}' states no limit to cut inputs to: give '{TRUNCATE}' a number of "
+                           "tokens", TRUNCATE)
+    return tuple(i[:e.truncate] for i in ids)
+
+
+def _hidden_mean(model: str, response: InferResponse, output: str) -> np.ndarray:
+    """An encoder's ``output`` states averaged over the tokens."""
+    hidden = next((t for t in response.outputs if t.name == output), None)
+    if hidden is None or hidden.datatype != "FP32" or len(hidden.shape) < 2:
+        raise Internal(f"model '{model}' answered no FP32 hidden states [.., tokens, width]")
+    return mean_pool(hidden)
 
 
 def _usage(g: Generation, counts: dict[int, _Event]) -> Usage:

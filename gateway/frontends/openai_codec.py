@@ -21,6 +21,16 @@ alternatives); each token's response carries its own as the parameter
 ``logprobs`` (JSON: ``token``, ``bytes``, ``logprob``, ``top_logprobs``),
 which :func:`logprobs_json` puts in OpenAI's shape for completions or chat.
 
+An embeddings request (:func:`embedding_request`) holds texts or token
+ids. A model of the embedding contract (:func:`is_embedding_model`: input
+``text_input`` BYTES and output ``embedding``; an encoder export) gets them
+all in one request (:func:`embedding_model_request`): texts as the rows of
+``text_input`` [n, 1], or token ids as the rows of ``input_ids`` with an
+``attention_mask`` [n, longest]; it answers ``embedding`` FP32 [n, width]
+and ``prompt_tokens`` INT32 [n, 1], and refuses what it cannot embed (too
+long, out of its vocabulary) in its own words. ``truncate_prompt_tokens``
+(vLLM's extension) goes to it as its input of that name, INT32 [n, 1].
+
 Fields OpenAI defines that are not served here (tools, echo, suffix,
 penalties, logit bias) are refused by name, never ignored.
 
@@ -42,6 +52,7 @@ import orjson
 from gateway.frontends.openai_text import BadParameter, chat_messages, render_chat
 from gateway.types import InferRequest, InferResponse, Tensor
 from protos.codec import DATATYPES, deserialize_bytes_tensor, serialize_bytes_tensor
+from protos.errors import Internal
 from protos.triton_words import ENABLE_EMPTY_FINAL
 
 Kind = Literal["completion", "chat"]
@@ -397,11 +408,29 @@ def models_json(names: Sequence[str], created: int = 0) -> dict[str, Any]:
 # --- embeddings -------------------------------------------------------------------------------
 
 
+# The embedding contract (an encoder export's, execution.backends.hf_encoder): texts or token ids a
+# row in, one vector and its token count a row out.
+EMBED_TEXT, EMBED_IDS, EMBED_MASK = "text_input", "input_ids", "attention_mask"
+EMBEDDING, EMBED_TOKENS = "embedding", "prompt_tokens"
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on the inputs of one request
+TRUNCATE = "truncate_prompt_tokens"  # an extension (vLLM's name): cut long inputs instead of refusing them
+
+
 @dataclass(frozen=True, slots=True)
 class EmbeddingRequest:
     model: str
-    inputs: tuple[tuple[int, ...], ...]  # token ids of each input
+    inputs: tuple[str, ...] | tuple[tuple[int, ...], ...]  # texts, or token ids of each input
     base64: bool
+    dimensions: int | None = None  # None: the model's own
+    truncate: int | None = None  # None: refuse a long input; -1: cut it to the model's limit; else to so many tokens
+
+    @property
+    def texts(self) -> bool:
+        return bool(self.inputs) and isinstance(self.inputs[0], str)
+
+    def byte_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each input as token ids, a text as its UTF-8 bytes (the example encoder's vocabulary)."""
+        return tuple(tuple(i.encode("utf-8")) if isinstance(i, str) else i for i in self.inputs)
 
 
 def embedding_request(doc: Mapping[str, Any]) -> EmbeddingRequest:
@@ -411,23 +440,77 @@ def embedding_request(doc: Mapping[str, Any]) -> EmbeddingRequest:
     items: list[Any] = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
     if items and all(isinstance(v, int) and not isinstance(v, bool) for v in items):
         items = [items]
-    inputs: list[tuple[int, ...]] = []
-    for item in items:
-        if isinstance(item, str):
-            inputs.append(tuple(item.encode("utf-8")))
-        elif isinstance(item, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item):
-            inputs.append(tuple(item))
-        else:
-            inputs = []
-            break
-    if not inputs or any(not ids for ids in inputs):
-        raise BadParameter("'input' must be a non-empty string, a list of them, or token ids", "input")
+    inputs: tuple[Any, ...] = ()
+    if items and all(isinstance(i, str) and i for i in items):
+        inputs = tuple(items)
+    elif items and all(isinstance(i, list) and i and all(isinstance(v, int) and not isinstance(v, bool) for v in i)
+                       for i in items):
+        if any(v < 0 for i in items for v in i):
+            raise BadParameter("'input' holds a negative token id", "input")
+        inputs = tuple(tuple(i) for i in items)
+    if not inputs:
+        raise BadParameter("'input' must be a non-empty string, a list of them, token ids or a list of lists of "
+                           "them", "input")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise BadParameter(f"'input' holds {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} in one request",
+                           "input")
     encoding = doc.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise BadParameter("'encoding_format' must be 'float' or 'base64'", "encoding_format")
-    if doc.get("dimensions") is not None:
-        raise BadParameter("'dimensions' is not supported by this server", "dimensions")
-    return EmbeddingRequest(model, tuple(inputs), encoding == "base64")
+    truncate = doc.get(TRUNCATE)
+    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0
+                                 or truncate < -1):
+        raise BadParameter(f"'{TRUNCATE}' must be -1 (the model's limit) or a positive number of tokens", TRUNCATE)
+    return EmbeddingRequest(model, inputs, encoding == "base64", _int(doc, "dimensions", 1, 2**31 - 1), truncate)
+
+
+def check_dimensions(request: EmbeddingRequest, width: int) -> None:
+    """``dimensions`` as OpenAI treats it for a model not trained to be shortened: refused, unless it
+    is the model's own width."""
+    if request.dimensions is not None and request.dimensions != width:
+        raise BadParameter(f"model '{request.model}' gives embeddings of {width} dimensions and does not support "
+                           f"'dimensions' {request.dimensions} (it was not trained to be shortened)", "dimensions")
+
+
+def is_embedding_model(inputs: Mapping[str, str], outputs: Sequence[str]) -> bool:
+    """Whether a model (its inputs, name -> datatype, and outputs) speaks the embedding contract."""
+    return inputs.get(EMBED_TEXT) == "BYTES" and EMBEDDING in outputs
+
+
+def embedding_model_request(request: EmbeddingRequest, *, request_id: str) -> InferRequest:
+    """Every input of ``request`` in one request to a model of the embedding contract: texts as the
+    rows of ``text_input``, or token ids as the rows of ``input_ids`` (padded, ``attention_mask``
+    marking each row's own)."""
+    rows = len(request.inputs)
+    if request.texts:
+        texts = np.array([t.encode("utf-8") for t in request.inputs if isinstance(t, str)], dtype=np.object_)
+        tensors = [Tensor(EMBED_TEXT, "BYTES", (rows, 1), serialize_bytes_tensor(texts))]
+    else:
+        longest = max(len(ids) for ids in request.inputs)
+        ids = np.zeros((rows, longest), np.int64)
+        mask = np.zeros((rows, longest), np.int64)
+        for row, values in enumerate(request.inputs):
+            ids[row, :len(values)] = values
+            mask[row, :len(values)] = 1
+        tensors = [Tensor(EMBED_IDS, "INT64", (rows, longest), ids.tobytes()),
+                   Tensor(EMBED_MASK, "INT64", (rows, longest), mask.tobytes())]
+    if request.truncate is not None:
+        tensors.append(Tensor(TRUNCATE, "INT32", (rows, 1), np.full(rows, request.truncate, np.int32).tobytes()))
+    return InferRequest(model=request.model, version="", id=request_id, inputs=tensors, outputs=[])
+
+
+def embedding_vectors(request: EmbeddingRequest, response: InferResponse) -> tuple[list[np.ndarray], int]:
+    """A model's answer on the embedding contract: one vector an input, and the tokens they took."""
+    outputs = {t.name: t for t in response.outputs}
+    vectors, tokens = outputs.get(EMBEDDING), outputs.get(EMBED_TOKENS)
+    rows = len(request.inputs)
+    if vectors is None or vectors.datatype != "FP32" or len(vectors.shape) != 2 or vectors.shape[0] != rows:
+        raise Internal(f"model '{request.model}' answered no FP32 '{EMBEDDING}' [{rows}, width]")
+    array = np.frombuffer(vectors.data, dtype=np.float32).reshape(vectors.shape)
+    counted = 0
+    if tokens is not None and tokens.datatype == "INT32":
+        counted = int(np.frombuffer(tokens.data, dtype=np.int32).sum())
+    return list(array), counted
 
 
 def mean_pool(hidden: Tensor) -> np.ndarray:
@@ -436,12 +519,11 @@ def mean_pool(hidden: Tensor) -> np.ndarray:
     return array.reshape(-1, array.shape[-1]).mean(axis=0, dtype=np.float32)
 
 
-def embeddings_json(request: EmbeddingRequest, vectors: Sequence[np.ndarray]) -> dict[str, Any]:
+def embeddings_json(request: EmbeddingRequest, vectors: Sequence[np.ndarray], prompt_tokens: int) -> dict[str, Any]:
     data = []
     for index, vector in enumerate(vectors):
         values: Any = (base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if request.base64
                        else vector.astype(np.float32).tolist())
         data.append({"object": "embedding", "index": index, "embedding": values})
-    tokens = sum(len(ids) for ids in request.inputs)
     return {"object": "list", "data": data, "model": request.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

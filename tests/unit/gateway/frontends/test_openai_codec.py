@@ -17,11 +17,15 @@ from gateway.frontends.openai_codec import (
     Choice,
     Usage,
     chat_request,
+    check_dimensions,
     chunk_json,
     completion_json,
     completion_request,
+    embedding_model_request,
     embedding_request,
+    embedding_vectors,
     embeddings_json,
+    is_embedding_model,
     final_counts,
     logprobs_json,
     mean_pool,
@@ -231,16 +235,58 @@ def test_model_list_shape() -> None:
         {"id": "b", "object": "model", "created": 0, "owned_by": "infergate"}]}
 
 
-def test_embedding_inputs_become_byte_ids_or_token_ids() -> None:
-    assert embedding_request({"model": "e", "input": "hé"}).inputs == ((104, 195, 169),)
-    assert embedding_request({"model": "e", "input": ["a", "bc"]}).inputs == ((97,), (98, 99))
+def test_embedding_inputs_are_texts_or_token_ids() -> None:
+    assert embedding_request({"model": "e", "input": "hé"}).inputs == ("hé",)
+    assert embedding_request({"model": "e", "input": "hé"}).byte_ids() == ((104, 195, 169),)
+    assert embedding_request({"model": "e", "input": ["a", "bc"]}).byte_ids() == ((97,), (98, 99))
     assert embedding_request({"model": "e", "input": [5, 6]}).inputs == ((5, 6),)
     assert embedding_request({"model": "e", "input": [[5], [6, 7]]}).inputs == ((5,), (6, 7))
+    assert not embedding_request({"model": "e", "input": [[5], [6, 7]]}).texts
     assert embedding_request({"model": "e", "input": "x", "encoding_format": "base64"}).base64
-    for bad in ({"model": "e"}, {"model": "e", "input": ""}, {"model": "e", "input": [1.5]},
-                {"model": "e", "input": "x", "encoding_format": "hex"}, {"model": "e", "input": "x", "dimensions": 8}):
-        with pytest.raises(BadParameter):
+    assert embedding_request({"model": "e", "input": "x", "dimensions": 8}).dimensions == 8
+    assert embedding_request({"model": "e", "input": "x", "truncate_prompt_tokens": -1}).truncate == -1
+    for bad, param in (({"model": "e"}, "input"), ({"model": "e", "input": ""}, "input"),
+                       ({"model": "e", "input": [1.5]}, "input"), ({"model": "e", "input": ["a", [1]]}, "input"),
+                       ({"model": "e", "input": [[1], []]}, "input"), ({"model": "e", "input": [[1, -2]]}, "input"),
+                       ({"model": "e", "input": ["x"] * 2049}, "input"),
+                       ({"model": "e", "input": "x", "encoding_format": "hex"}, "encoding_format"),
+                       ({"model": "e", "input": "x", "dimensions": 0}, "dimensions"),
+                       ({"model": "e", "input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                       ({"model": "e", "input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens")):
+        with pytest.raises(BadParameter) as caught:
             embedding_request(bad)
+        assert caught.value.param == param, bad
+
+
+def test_dimensions_are_honoured_only_as_the_models_own_width() -> None:
+    check_dimensions(embedding_request({"model": "e", "input": "x"}), 384)
+    check_dimensions(embedding_request({"model": "e", "input": "x", "dimensions": 384}), 384)
+    with pytest.raises(BadParameter, match="384 dimensions"):
+        check_dimensions(embedding_request({"model": "e", "input": "x", "dimensions": 128}), 384)
+
+
+def test_an_embedding_model_gets_every_input_in_one_request() -> None:
+    assert is_embedding_model({"text_input": "BYTES", "input_ids": "INT64"}, ["embedding", "prompt_tokens"])
+    assert not is_embedding_model({"TOKENS": "INT64"}, ["HIDDEN"])
+    texts = embedding_model_request(embedding_request({"model": "e", "input": ["a", "héllo"]}), request_id="r")
+    (tensor,) = texts.inputs
+    assert (tensor.name, tensor.datatype, tensor.shape) == ("text_input", "BYTES", (2, 1))
+    assert deserialize_bytes_tensor(tensor.data).tolist() == [b"a", "héllo".encode()]
+    assert len(texts.inputs) == 1
+    ids = embedding_model_request(embedding_request({"model": "e", "input": [[1, 2, 3], [4]],
+                                                     "truncate_prompt_tokens": 2}), request_id="r")
+    tokens, mask, truncate = ids.inputs
+    assert (tokens.name, tokens.shape, mask.name) == ("input_ids", (2, 3), "attention_mask")
+    assert np.frombuffer(tokens.data, np.int64).reshape(2, 3).tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert np.frombuffer(mask.data, np.int64).reshape(2, 3).tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert (truncate.name, truncate.datatype, truncate.shape) == ("truncate_prompt_tokens", "INT32", (2, 1))
+    assert np.frombuffer(truncate.data, np.int32).tolist() == [2, 2]
+    vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+    response = InferResponse(model="e", version="1", id="r", outputs=[
+        Tensor("embedding", "FP32", (2, 3), vectors.tobytes()),
+        Tensor("prompt_tokens", "INT32", (2, 1), np.array([[3], [1]], np.int32).tobytes())])
+    got, tokens_used = embedding_vectors(embedding_request({"model": "e", "input": [[1, 2, 3], [4]]}), response)
+    assert [v.tolist() for v in got] == vectors.tolist() and tokens_used == 4
 
 
 def test_embeddings_are_the_mean_over_tokens_as_floats_or_base64() -> None:
@@ -248,9 +294,9 @@ def test_embeddings_are_the_mean_over_tokens_as_floats_or_base64() -> None:
     vector = mean_pool(Tensor("HIDDEN", "FP32", (1, 3, 4), hidden.tobytes()))
     assert vector.tolist() == [4.0, 5.0, 6.0, 7.0]
     request = embedding_request({"model": "e", "input": ["abc"]})
-    body = embeddings_json(request, [vector])
+    body = embeddings_json(request, [vector], 3)
     assert body == {"object": "list", "model": "e", "usage": {"prompt_tokens": 3, "total_tokens": 3},
                     "data": [{"object": "embedding", "index": 0, "embedding": [4.0, 5.0, 6.0, 7.0]}]}
     request = embedding_request({"model": "e", "input": "abc", "encoding_format": "base64"})
-    encoded = embeddings_json(request, [vector])["data"][0]["embedding"]
+    encoded = embeddings_json(request, [vector], 3)["data"][0]["embedding"]
     assert np.frombuffer(base64.b64decode(encoded), "<f4").tolist() == [4.0, 5.0, 6.0, 7.0]
