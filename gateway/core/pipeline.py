@@ -42,6 +42,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -72,6 +73,16 @@ from protos.errors import InferGateError, Internal, InvalidArgument, Unavailable
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
+
+
+@dataclass(frozen=True, slots=True)
+class _Resolved:
+    """A request's model as step 3 found it, and when the request started (both clocks)."""
+
+    info: Any
+    version: str
+    now: float  # the loop's clock: deadlines
+    started: float  # time.monotonic(): durations for the statistics
 
 
 class RequestPipeline:
@@ -107,26 +118,29 @@ class RequestPipeline:
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """Steps 2 to 4, then the streaming path (``gateway.core.streaming``); an ordinary model's
-        request takes the request path and yields its one response, final. Close it when done."""
+        request goes on along the request path and yields its one response, final. Close it when done."""
         with self._admission.admit(request):
-            now = asyncio.get_running_loop().time()
-            started = request.arrival = time.monotonic()
-            if not self.accepting:
-                raise Unavailable("the gateway is shutting down")
-            info, version = await self._models.resolve(request.model, request.version, request.timeout_us)
-            if not is_decoupled(info.config):
-                response = await self.run_request(request)
+            model = await self._resolve(request)
+            if not is_decoupled(model.info.config):
+                response = await self._answer(request, model)
                 response.final = True
                 yield response
                 return
-            rows = self._validate(request, info, version, now)
+            rows = self._validate(request, model.info, model.version, model.now)
             self._placement.touch(request.model, rows)  # idle TTL, LRU and request rate
-            async with aclosing(self.streaming.run(request, version, started)) as responses:
+            async with aclosing(self.streaming.run(request, model.version, model.started)) as responses:
                 async for response in responses:
                     yield response
 
     async def run_request(self, request: InferRequest) -> InferResponse:
         """An admitted request, from resolving its model to its answer (an ensemble's steps enter here too)."""
+        model = await self._resolve(request)
+        if is_decoupled(model.info.config):
+            raise DecoupledRefused()  # Triton's words: a decoupled model answers through a stream only
+        return await self._answer(request, model)
+
+    async def _resolve(self, request: InferRequest) -> _Resolved:
+        """Step 3: the request's model and version, once, whichever way it answers."""
         # Durations for the statistics come from time.monotonic(): the same clock
         # as loop.time() under asyncio and uvloop, but uvloop's loop.time() is
         # cached per loop turn in whole milliseconds, too coarse for latencies.
@@ -135,9 +149,12 @@ class RequestPipeline:
         if not self.accepting:
             raise Unavailable("the gateway is shutting down")
         info, version = await self._models.resolve(request.model, request.version, request.timeout_us)
-        if is_decoupled(info.config):
-            raise DecoupledRefused()  # Triton's words: a decoupled model answers through a stream only
-        rows = self._validate(request, info, version, now)
+        return _Resolved(info, version, now, started)
+
+    async def _answer(self, request: InferRequest, model: _Resolved) -> InferResponse:
+        """Steps 4 to 9 of a request with one answer."""
+        info, version, started = model.info, model.version, model.started
+        rows = self._validate(request, info, version, model.now)
         ensemble = is_ensemble(info.config)
         if not ensemble:  # an ensemble is placed through its steps
             self._placement.touch(request.model, rows)  # idle TTL, LRU and request rate
