@@ -259,7 +259,9 @@ class OnnxBackend:
             raise InvalidArgument(f"model '{config.name}' has platform '{config.platform}'; this worker runs '{PLATFORM}'")
         config.backend = BACKEND_NAME
         config.platform = PLATFORM
-        graph = _read_graph(version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME))
+        # As Triton normalizes a config: the file read is named in it (its /config shows it).
+        config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILENAME
+        graph = _read_graph(version_dir / config.default_model_filename)
         initializers = {t.name for t in graph.initializer}
         model_inputs = {v.name: v for v in graph.input if v.name not in initializers}
         model_outputs = {v.name: v for v in graph.output}

@@ -60,6 +60,7 @@ def test_empty_config_is_completed_with_batching(tmp_path: Path, backend: OnnxBa
     assert _tensors(config.input) == [("A", mc.TYPE_FP32, [4]), ("B", mc.TYPE_FP32, [4])]
     assert _tensors(config.output) == [("Y", mc.TYPE_FP32, [4]), ("Z", mc.TYPE_FP32, [4])]
     assert (config.backend, config.platform) == ("onnxruntime", "onnxruntime_onnx")
+    assert config.default_model_filename == "model.onnx"  # named in the config, as Triton's /config shows it
 
 
 def test_fixed_first_dim_means_no_batching(tmp_path: Path, backend: OnnxBackend) -> None:
