@@ -30,7 +30,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from models.graphs import (
     IMAGE_SIZE,
+    MAX_SEQ_LEN,
     TOP_K,
+    VOCAB_SIZE,
     build_cnn,
     build_cnn_large,
     build_encoder,
@@ -86,6 +88,8 @@ class ExampleModel:
     response_cache: bool = False
     # A `model_warmup` sample of random data (batch 1) that the worker runs before the model is READY.
     warmup: bool = False
+    # Config `parameters` (string values): what a client may learn of the model beyond its signature.
+    parameters: tuple[tuple[str, str], ...] = ()
 
 
 EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
@@ -93,7 +97,9 @@ EXAMPLE_MODELS: tuple[ExampleModel, ...] = (
     ExampleModel("mlp", build_mlp, max_batch_size=64, dynamic_batching=True),
     ExampleModel("cnn", build_cnn, max_batch_size=32, dynamic_batching=True, response_cache=True,
                  warmup=True),
-    ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True),
+    # Its limits, named as Hugging Face names them: /v1/embeddings refuses what is past them.
+    ExampleModel("encoder", build_encoder, max_batch_size=16, dynamic_batching=True,
+                 parameters=(("max_position_embeddings", str(MAX_SEQ_LEN)), ("vocab_size", str(VOCAB_SIZE)))),
     ExampleModel("identity_string", build_identity_string, max_batch_size=0, dynamic_batching=False),
     ExampleModel("string_to_int", build_string_to_int, max_batch_size=8, dynamic_batching=True),
     ExampleModel("preprocess", build_preprocess, max_batch_size=32, dynamic_batching=True),
@@ -151,6 +157,8 @@ def model_config(example: ExampleModel, model: onnx.ModelProto) -> mc.ModelConfi
         config.dynamic_batching.SetInParent()
     if example.response_cache:
         config.response_cache.enable = True
+    for key, value in example.parameters:
+        config.parameters[key].string_value = value
     if example.warmup:
         sample = config.model_warmup.add(name="random", batch_size=1 if batched else 0, count=1)
         for spec in config.input:

@@ -345,7 +345,9 @@ class OpenAIApi:
                                    f"{config.max_batch_size} in one request", "input")
             infers = [embedding_model_request(e, request_id=f"emb-{uuid.uuid4().hex}")]
         else:
-            infers = _encoder_requests(e, config.max_batch_size > 0, metadata.inputs)
+            check_encoder_limits(e, config)
+            infers = _encoder_requests(e, config.max_batch_size > 0, metadata.inputs,
+                                       _limit(config, "max_position_embeddings"))
         for infer in infers:
             infer.arrival = now
             apply_timeout_header(infer, request.headers.get(TIMEOUT_HEADER), now)
@@ -361,33 +363,58 @@ class OpenAIApi:
             names = [o.name for o in metadata.outputs]
             output = "HIDDEN" if "HIDDEN" in names else (names[0] if names else "")
             vectors = [_hidden_mean(e.model, r, output) for r in responses]
-            tokens = sum(len(ids) for ids in _encoder_ids(e))
+            tokens = sum(len(ids) for ids in _encoder_ids(e, _limit(config, "max_position_embeddings")))
         check_dimensions(e, int(vectors[0].shape[-1]))
         return web.Response(body=orjson.dumps(embeddings_json(e, vectors, tokens)), content_type="application/json")
 
 
-def _encoder_requests(e: EmbeddingRequest, batched: bool, inputs: Sequence[Any]) -> list[InferRequest]:
+def _limit(config: Any, name: str) -> int | None:
+    param = config.parameters.get(name)
+    try:
+        return int(param.string_value) if param is not None and param.string_value else None
+    except ValueError:
+        return None
+
+
+def check_encoder_limits(e: EmbeddingRequest, config: Any) -> None:
+    """An encoder of token ids refuses, in its own terms, what its config says it cannot take: inputs past
+    ``max_position_embeddings`` tokens, ids past ``vocab_size`` (the names Hugging Face gives them)."""
+    positions, vocab = _limit(config, "max_position_embeddings"), _limit(config, "vocab_size")
+    for index, ids in enumerate(_encoder_ids(e, positions)):
+        if positions is not None and len(ids) > positions:
+            raise BadParameter(f"input {index} has {len(ids)} tokens; model '{e.model}' takes at most {positions} "
+                               "(its max_position_embeddings)", "input")
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise BadParameter(f"input {index} holds token id {max(ids)}; model '{e.model}' has a vocabulary of "
+                               f"{vocab} tokens (ids 0 to {vocab - 1})", "input")
+
+
+def _encoder_requests(e: EmbeddingRequest, batched: bool, inputs: Sequence[Any],
+                      positions: int | None = None) -> list[InferRequest]:
     """One request an input to an encoder of token ids (the example ``encoder``): its first input."""
     if not inputs or inputs[0].datatype not in ("INT64", "INT32"):
         raise BadParameter(f"model '{e.model}' is neither an embedding model nor an encoder of token ids", "model")
     token = inputs[0]
     dtype = np.int64 if token.datatype == "INT64" else np.int32
     infers = []
-    for index, ids in enumerate(_encoder_ids(e)):
+    for index, ids in enumerate(_encoder_ids(e, positions)):
         shape = (1, len(ids)) if batched else (len(ids),)
         infers.append(InferRequest(model=e.model, version="", id=f"emb-{index}", outputs=[], inputs=[
             Tensor(token.name, token.datatype, shape, np.array(ids, dtype).tobytes())]))
     return infers
 
 
-def _encoder_ids(e: EmbeddingRequest) -> tuple[tuple[int, ...], ...]:
-    """An encoder's token ids of each input, cut where the request asks (it states no limit of its own)."""
+def _encoder_ids(e: EmbeddingRequest, positions: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """An encoder's token ids of each input, cut where the request asks (-1: to ``positions``, the model's
+    limit, where its config states one)."""
     ids = e.byte_ids()
     if e.truncate is None:
         return ids
     if e.truncate == -1:
-        raise BadParameter(f"model '{e.model}' states no limit to cut inputs to: give '{TRUNCATE}' a number of "
-                           "tokens", TRUNCATE)
+        if positions is None:
+            raise BadParameter(f"model '{e.model}' states no limit to cut inputs to: give '{TRUNCATE}' a number of "
+                               "tokens", TRUNCATE)
+        return tuple(i[:positions] for i in ids)
     return tuple(i[:e.truncate] for i in ids)
 
 

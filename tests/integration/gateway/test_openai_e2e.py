@@ -205,6 +205,25 @@ def test_embeddings_are_the_encoders_hidden_states_mean_pooled(cluster: Cluster)
     np.testing.assert_allclose(vector, _ort_pooled(cluster, "naïve"), rtol=1e-5, atol=1e-5)
 
 
+def test_embeddings_past_the_encoders_limits_are_refused_naming_them(cluster: Cluster) -> None:
+    def post(body: dict[str, object]) -> requests.Response:
+        return requests.post(f"{cluster.base}/embeddings", json={"model": "encoder", **body},
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+    long = post({"input": "x" * 129})  # the example encoder has 128 positions (its config says so)
+    assert long.status_code == 400, long.text
+    assert "129 tokens; model 'encoder' takes at most 128 (its max_position_embeddings)" in long.json()["error"]["message"]
+    unknown = post({"input": [[1, 2, 5000]]})
+    assert unknown.status_code == 400, unknown.text
+    assert "vocabulary of 1000 tokens (ids 0 to 999)" in unknown.json()["error"]["message"]
+    negative = post({"input": [[1, -2]]})
+    assert negative.status_code == 400 and "negative token id" in negative.json()["error"]["message"]
+    cut = post({"input": "x" * 300, "truncate_prompt_tokens": -1})  # cut to the model's limit when asked
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 128
+    assert post({"input": "x" * 128}).status_code == 200
+
+
 def test_a_streaming_client_that_leaves_frees_the_models_instance(cluster: Cluster) -> None:
     pending = f"127.0.0.1:{cluster.worker.ready['metrics_port']}"
     stream = cluster.client().completions.create(model="reverse_lm", prompt="sleep:" + "x" * 200, max_tokens=200,
