@@ -33,6 +33,7 @@ import numpy as np
 import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
+from execution.backends.own_session import own_session
 from execution.backends.base import BackendOptions, Placement
 from execution.backends.hf_encoder import (
     EMBEDDING_OUTPUT,
@@ -60,8 +61,7 @@ DEFAULT_MODEL_FILENAME = "model.onnx"
 # One run's padded tokens (rows x longest row) and rows: memory stays bounded whatever the request.
 RUN_TOKENS = 16384
 RUN_ROWS = 64
-_CUDA = "CUDAExecutionProvider"
-_CPU = "CPUExecutionProvider"
+_CUDA = "CUDAExecutionProvider"  # the provider a GPU placement needs
 # The export's outputs, best first: pooled by the export itself, or token states to pool here.
 _POOLED = "sentence_embedding"
 _TOKEN_STATES = ("last_hidden_state", "token_embeddings")
@@ -265,17 +265,7 @@ class EmbedBackend:
 
     def load(self, model_dir: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement) -> EmbedInstance:
         path = version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1 if placement.kind == "cuda" else self._threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers: list[str | tuple[str, dict[str, str]]] = [_CPU]
-        if placement.kind == "cuda":
-            providers = [(_CUDA, {"device_id": str(placement.device_id)}), _CPU]
-        try:
-            session = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as exc:  # ONNX Runtime's own exception types for bad files
-            raise InvalidArgument(f"ONNX Runtime cannot load {version_dir.name}/{path.name}: {exc}") from None
+        session = own_session(path, version_dir, placement, self._threads)
         settings = read_encoder(version_dir, config.name)
         instance = EmbedInstance(session, HFText(version_dir, config.name), settings, placement, self._executor,
                                  config.name)

@@ -51,6 +51,7 @@ import numpy as np
 import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
+from execution.backends.own_session import own_session
 from execution.backends.base import BackendOptions, Placement, RequestContext, StreamEvent
 from execution.backends.generate_scheduler import (
     GenerationStats,
@@ -71,7 +72,7 @@ BACKEND_NAME = "generate"
 DEFAULT_MODEL_FILENAME = "model.onnx"
 DEFAULT_MAX_SEQUENCES = 32
 DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
-_CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+_CUDA = "CUDAExecutionProvider"
 
 
 RunStep = Callable[[list[str], dict[str, np.ndarray]], Sequence[np.ndarray]]
@@ -397,17 +398,7 @@ class GenerateBackend:
 
     def load(self, model_dir: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement) -> GenerateInstance:
         path = version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1 if placement.kind == "cuda" else self._threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers: list[str | tuple[str, dict[str, str]]] = [_CPU]
-        if placement.kind == "cuda":
-            providers = [(_CUDA, {"device_id": str(placement.device_id)}), _CPU]
-        try:
-            session = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as exc:
-            raise InvalidArgument(f"ONNX Runtime cannot load {version_dir.name}/{path.name}: {exc}") from None
+        session = own_session(path, version_dir, placement, self._threads)
         logger.info("model %s version %s: generation instance on %s", config.name, version_dir.name, placement)
         from execution.backends.hf_export import is_decoder_export
 
