@@ -100,6 +100,9 @@ class Resumes:
 
     def __init__(self, policy: AttemptPolicy) -> None:
         self._policy = policy
+        # model -> generations continued on another replica / lost with no continuation (for /metrics).
+        self.resumed: dict[str, int] = {}
+        self.not_resumed: dict[str, int] = {}
 
     @staticmethod
     def generation(config: model_config_pb2.ModelConfig | None,
@@ -127,7 +130,12 @@ class Resumes:
                     tried.add(opened.worker)
                     await opened.close()  # the lost replica's slot is free before the next is taken
                     resumes += 1
-                    opened = await self._resume(model, generation, lost, reopen, tried, resumes, deadline)
+                    try:
+                        opened = await self._resume(model, generation, lost, reopen, tried, resumes, deadline)
+                    except InferGateError:
+                        self.not_resumed[model] = self.not_resumed.get(model, 0) + 1
+                        raise
+                    self.resumed[model] = self.resumed.get(model, 0) + 1
         finally:
             await opened.close()
 
