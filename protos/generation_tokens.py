@@ -1,10 +1,12 @@
 """A generation's token ids on the wire: the one place the generation backend
 writes them and the gateway reads them, so a generation can go on elsewhere.
 
-- ``token_ids``, a response parameter: the ids of the tokens whose text a
-  streamed response completes (usually one; none on the final response), as
-  a JSON list. The ids of every response received, in order, are the
-  tokens of the text received.
+- ``token_ids``, a request parameter (true) that asks for them, and then a
+  response parameter: the ids of the tokens whose text a streamed response
+  completes (usually one; none on the final response), as a JSON list. The
+  ids of every response received, in order, are the tokens of the text
+  received. Asked only where they are read: a stream pays nothing for them
+  otherwise.
 - ``resume_token_ids``, a request parameter: ids a generation already sent
   (a JSON list, or a list where parameters are JSON), to continue after
   them: prefilled after the prompt, counted toward ``max_tokens`` and the

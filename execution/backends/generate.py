@@ -16,10 +16,11 @@ on the instance's own thread, never on the event loop.
 A request is admitted (or refused: "... is at capacity (N sequences); retry
 later") when it starts, and the instance is free again at once: the
 scheduler, not the instance pool, bounds the sequences. Each token goes out
-as a response with ``text_output`` = its bytes and the parameter
-``token_ids`` (a JSON list: the ids of the tokens whose text it completes,
-usually one); the final one has no outputs and the parameters
-``finish_reason``, ``prompt_tokens`` and ``completion_tokens``.
+as a response with ``text_output`` = its bytes (and, when the request
+parameter ``token_ids`` is true, the parameter ``token_ids``: a JSON list of
+the ids of the tokens whose text it completes, usually one); the final one
+has no outputs and the parameters ``finish_reason``, ``prompt_tokens`` and
+``completion_tokens``.
 
 A request may continue a generation a lost worker began: the parameter
 ``resume_token_ids`` (a JSON list of ids, or a list) holds the ids already
@@ -364,13 +365,16 @@ class GenerateInstance:
         prompt = vocabulary.prompt_ids(inputs)
         params = sampling_params(inputs, context.parameters, self._defaults)
         resume = resume_ids(context.parameters, vocabulary.size, self.scheduler.eos_ids)
+        name_tokens = context.parameters.get(TOKEN_IDS, False)
+        if not isinstance(name_tokens, bool):
+            raise InvalidArgument(f"parameter '{TOKEN_IDS}' must be a bool")
 
         def send(out: TokenOut) -> None:
             if out.error is not None:
                 emit(StreamEvent({}, True, out.error))
             elif out.data is not None:
                 extra: dict[str, object] = {}
-                if out.token_ids:
+                if name_tokens and out.token_ids:
                     extra[TOKEN_IDS] = ids_text(out.token_ids)
                 if out.logprobs is not None:
                     extra["logprobs"] = logprobs_json(vocabulary, out.logprobs)

@@ -3,7 +3,8 @@ is lost after its first response goes on, on another replica, from where it
 was.
 
 The generation backend names, in each streamed response, the tokens whose
-text it completes, and continues a generation from such ids
+text it completes (when asked: the router asks, and keeps the ids from the
+client unless it asked too), and continues a generation from such ids
 (``protos.generation_tokens``: ``token_ids`` out, ``resume_token_ids`` in;
 the ids are prefilled after the prompt, count toward ``max_tokens`` and
 the usage, and their text is not sent again). So when the replica serving a
@@ -66,22 +67,30 @@ Reopen = Callable[[service_pb2.ModelInferRequest, set[WorkerState]], Awaitable[O
 class Generation:
     """One generation's stream as it went out: its request and the tokens its responses named."""
 
-    __slots__ = ("request", "responses", "_named")
+    __slots__ = ("request", "responses", "_named", "_keep_ids")
 
     def __init__(self, request: service_pb2.ModelInferRequest) -> None:
+        """Follows ``request``, which it changes to ask its replica to name each response's tokens."""
         self.request = request
         self.responses = 0
         # Each response's ``token_ids`` as sent (JSON list texts), joined only if the stream resumes.
         self._named: list[str] = []
-        if RESUME_TOKEN_IDS in request.parameters:  # the client's own continuation: its ids come first
-            self._named.append(request.parameters[RESUME_TOKEN_IDS].string_param)
+        parameters = request.parameters
+        if RESUME_TOKEN_IDS in parameters:  # the client's own continuation: its ids come first
+            self._named.append(parameters[RESUME_TOKEN_IDS].string_param)
+        # The ids go on to the client only if it asked for them itself: a parameter on every
+        # token costs the frontends their plain path for it.
+        self._keep_ids = TOKEN_IDS in parameters and parameters[TOKEN_IDS].bool_param
+        parameters[TOKEN_IDS].bool_param = True
 
     def sent(self, response: service_pb2.ModelInferResponse) -> None:
-        """``response`` went to the client (once per token: a lookup and an append)."""
+        """``response`` goes to the client (once per token: a lookup, an append, a delete)."""
         self.responses += 1
         parameters = response.parameters
         if TOKEN_IDS in parameters:
             self._named.append(parameters[TOKEN_IDS].string_param)
+            if not self._keep_ids:
+                del parameters[TOKEN_IDS]
 
     def token_ids(self) -> str:
         """Every id named so far, as one JSON list."""

@@ -80,7 +80,10 @@ class FakeGenerator(FakeWorker):
             await asyncio.sleep(0)
             tokens.append(next_token(tokens))
             sent += 1
-            yield response(request.id, **{TOKEN_IDS: f"[{tokens[-1]}]", FINAL_RESPONSE: False}), time.monotonic()
+            named = f"[{tokens[-1]}]"  # its text, for the client; its ids, when asked
+            asked = TOKEN_IDS in request.parameters and request.parameters[TOKEN_IDS].bool_param
+            yield response(request.id, text=named, **{FINAL_RESPONSE: False, **({TOKEN_IDS: named} if asked else {})}
+                           ), time.monotonic()
         yield response(request.id, finish_reason="length", prompt_tokens=PROMPT_TOKENS,
                        completion_tokens=len(tokens) - PROMPT_TOKENS, **{FINAL_RESPONSE: True}), time.monotonic()
 
@@ -123,6 +126,7 @@ def uninterrupted(max_tokens: int = 12, resumed: list[int] | None = None) -> lis
 
 
 async def generate(router: Router, request: service_pb2.ModelInferRequest) -> tuple[list[int], service_pb2.ModelInferResponse]:
+    """The ids of every token response (each names them in ``text``, as the client reads them) and the final."""
     ids: list[int] = []
     final = None
     responses = router.stream("m", "", request, None)
@@ -131,7 +135,8 @@ async def generate(router: Router, request: service_pb2.ModelInferRequest) -> tu
             if item.parameters[FINAL_RESPONSE].bool_param:
                 final = item
             else:
-                ids += parse_ids(item.parameters[TOKEN_IDS].string_param)
+                assert TOKEN_IDS not in item.parameters or request.parameters[TOKEN_IDS].bool_param
+                ids += parse_ids(item.parameters["text"].string_param)
     finally:
         await responses.aclose()  # type: ignore[attr-defined]
     assert final is not None
@@ -152,6 +157,8 @@ async def test_a_generation_whose_replica_is_lost_goes_on_on_another_with_no_gap
     try:
         ids, final = await generate(router, generate_request(12))
         assert ids == uninterrupted(12)
+        (first,) = fleet.by_address["a:1"].requests
+        assert first.parameters[TOKEN_IDS].bool_param is True  # asked of the replica
         (continuation,) = fleet.by_address["b:1"].requests
         assert parse_ids(continuation.parameters[RESUME_TOKEN_IDS].string_param) == ids[:5]
         assert continuation.id == "g" and continuation.parameters["max_tokens"].int64_param == 12
@@ -287,8 +294,17 @@ def test_a_generation_follows_the_ids_its_responses_named_and_continues_after_th
     generation = Resumes.generation(config, generate_request(8))
     assert isinstance(generation, Generation)
     for named in ("[5]", "[6,7]", None, "[8]"):
-        generation.sent(response("g", **({TOKEN_IDS: named} if named else {})))
+        out = response("g", **({TOKEN_IDS: named} if named else {}))
+        generation.sent(out)
+        assert TOKEN_IDS not in out.parameters  # kept from a client that did not ask
     continuation = generation.continuation()
     assert parse_ids(continuation.parameters[RESUME_TOKEN_IDS].string_param) == [5, 6, 7, 8]
     assert continuation.parameters["max_tokens"].int64_param == 8 and generation.responses == 4
     assert RESUME_TOKEN_IDS not in generation.request.parameters  # the original is left as it was
+    asked = generate_request(8)
+    asked.parameters[TOKEN_IDS].bool_param = True
+    generation = Resumes.generation(config, asked)
+    assert generation is not None
+    out = response("g", **{TOKEN_IDS: "[5]"})
+    generation.sent(out)
+    assert out.parameters[TOKEN_IDS].string_param == "[5]"  # a client that asked gets them
