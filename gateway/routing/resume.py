@@ -166,9 +166,7 @@ class Resumes:
                 raise StreamLost(f"{lost} (not resumed: its deadline leaves no time)") from None
             await clock.sleep(delay_s)
             opened = await reopen(generation.continuation(), tried)
-        except DeadlineExceeded:
-            raise
-        except StreamLost:
+        except (DeadlineExceeded, StreamLost):
             raise
         except InferGateError as e:
             raise StreamLost(f"{lost} (resuming it failed: {e})") from None
