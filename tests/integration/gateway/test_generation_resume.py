@@ -1,6 +1,6 @@
 """A generation survives its worker, with real processes: two ``infergate
 worker`` processes serving a byte-level decoder built as ``tiny_lm`` is,
-wider (and, marked slow, a Hugging Face Llama export) behind a gateway, concurrent greedy
+wider, behind a gateway, concurrent greedy
 streams (``ignore_eos``) over one gRPC stream, and the worker holding some of
 them SIGKILLed mid-run.
 
@@ -95,15 +95,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield found
 
 
-@pytest.fixture
-def hf_cluster(hf_llama_export: Path, tmp_path: Path) -> Iterator[Cluster]:
-    """The Hugging Face Llama export, served as exported (no config.pbtxt) by both workers."""
-    repo = tmp_path / "models"
-    shutil.copytree(hf_llama_export, repo / "llama" / "1")
-    with two_workers(repo, "llama", tmp_path) as found:
-        yield found
-
-
 def run_all(cluster: Cluster, tag: str, count: int, max_tokens: int) -> tuple[GenStream, list[Generation]]:
     stream = GenStream(cluster.grpc_url)
     generations = [stream.send(cluster.model, f"{tag}-{i}", PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
@@ -165,8 +156,3 @@ def test_greedy_streams_whose_worker_is_killed_go_on_on_the_other_unchanged(clus
 def test_sixteen_long_streams_survive_their_worker(cluster: Cluster) -> None:
     check_survives(cluster, count=16, max_tokens=480)
 
-
-@pytest.mark.slow
-def test_a_hugging_face_exports_streams_survive_their_worker(hf_cluster: Cluster) -> None:
-    # Its tokenizer's pieces: text held while a character is incomplete, resumed with the detokeniser's state.
-    check_survives(hf_cluster, count=12, max_tokens=400)
