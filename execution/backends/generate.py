@@ -16,9 +16,19 @@ on the instance's own thread, never on the event loop.
 A request is admitted (or refused: "... is at capacity (N sequences); retry
 later") when it starts, and the instance is free again at once: the
 scheduler, not the instance pool, bounds the sequences. Each token goes out
-as a response with ``text_output`` = its bytes; the final one has no outputs
-and the parameters ``finish_reason``, ``prompt_tokens`` and
+as a response with ``text_output`` = its bytes (and, when the request
+parameter ``token_ids`` is true, the parameter ``token_ids``: a JSON list of
+the ids of the tokens whose text it completes, usually one); the final one
+has no outputs and the parameters ``finish_reason``, ``prompt_tokens`` and
 ``completion_tokens``.
+
+A request may continue a generation a lost worker began: the parameter
+``resume_token_ids`` (a JSON list of ids, or a list) holds the ids already
+sent (every ``token_ids`` received, in order; ``protos.generation_tokens``). They are prefilled after the
+prompt and count toward ``max_tokens`` and ``completion_tokens``; their text
+is not sent again, and what follows is what the uninterrupted generation
+would have sent (``generate_scheduler``). ``prompt_tokens`` stays the
+prompt's.
 
 Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 ``max_cache_bytes`` (KV cache they may reserve, default 64 MiB),
@@ -65,6 +75,7 @@ from execution.backends.vocabulary import ByteVocabulary, Vocabulary, as_bytes, 
 from execution.backends.run_errors import classify_run_error
 from execution.devices import cpu_count, cuda_device_count
 from protos.errors import InvalidArgument
+from protos.generation_tokens import RESUME_TOKEN_IDS, TOKEN_IDS, ids_text, parse_ids
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +307,22 @@ def sampling_params(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, o
                           logprobs)
 
 
+def resume_ids(parameters: Mapping[str, object], vocabulary_size: int, end_ids: Sequence[int] = ()) -> list[int]:
+    """The request's ``resume_token_ids`` (a JSON list of ids, or a list), checked against the vocabulary
+    (and the model's end tokens, which a run's last response may name)."""
+    value = parameters.get(RESUME_TOKEN_IDS)
+    if value is None or value == "":
+        return []
+    try:
+        ids = parse_ids(value)
+    except ValueError:
+        raise InvalidArgument(f"parameter '{RESUME_TOKEN_IDS}' must be a JSON list of token ids") from None
+    if any(not 0 <= t < vocabulary_size and t not in end_ids for t in ids):
+        raise InvalidArgument(f"parameter '{RESUME_TOKEN_IDS}' holds an id outside the vocabulary "
+                              f"(0 to {vocabulary_size - 1})")
+    return ids
+
+
 class GenerateInstance:
     """One decoder session and the scheduler that batches every request sent to it."""
 
@@ -338,19 +365,27 @@ class GenerateInstance:
         vocabulary = self._vocabulary
         prompt = vocabulary.prompt_ids(inputs)
         params = sampling_params(inputs, context.parameters, self._defaults)
+        resume = resume_ids(context.parameters, vocabulary.size, self.scheduler.eos_ids)
+        name_tokens = context.parameters.get(TOKEN_IDS, False)
+        if not isinstance(name_tokens, bool):
+            raise InvalidArgument(f"parameter '{TOKEN_IDS}' must be a bool")
 
         def send(out: TokenOut) -> None:
             if out.error is not None:
                 emit(StreamEvent({}, True, out.error))
             elif out.data is not None:
-                extra = {} if out.logprobs is None else {"logprobs": logprobs_json(vocabulary, out.logprobs)}
+                extra: dict[str, object] = {}
+                if name_tokens and out.token_ids:
+                    extra[TOKEN_IDS] = ids_text(out.token_ids)
+                if out.logprobs is not None:
+                    extra["logprobs"] = logprobs_json(vocabulary, out.logprobs)
                 emit(StreamEvent({"text_output": np.array([out.data], dtype=np.object_)}, False, parameters=extra))
             else:
                 emit(StreamEvent({}, True, parameters={"finish_reason": out.finish_reason or "stop",
                                                        "prompt_tokens": out.prompt_tokens,
                                                        "completion_tokens": out.completion_tokens}))
 
-        self.scheduler.admit(prompt, params, send, cancelled, vocabulary.text_stream())
+        self.scheduler.admit(prompt, params, send, cancelled, vocabulary.text_stream(), resume)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)  # admitted: the instance may take the next request now
         return done

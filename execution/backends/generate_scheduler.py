@@ -33,7 +33,21 @@ logits before any sampling setting.
 
 A sequence's text comes from its :class:`TokenText`: the bytes each token
 adds (a byte vocabulary's one byte; a tokenizer's incremental decode, which
-may hold a partial character) and, at the end, what it still held.
+may hold a partial character) and, at the end, what it still held. Each
+response names the tokens whose text it completes (``TokenOut.token_ids``):
+a token whose text is held (part of a character, or maybe the start of a
+stop string) is named with the response that sends it, so the ids a client
+has received are exactly those of the text it has.
+
+A generation continues where another left off (its worker was lost) when it
+is admitted with ``resume``: the ids already sent. They are prefilled after
+the prompt, count toward ``max_tokens`` and ``completion_tokens``, and go
+through the sequence's :class:`TokenText` first without being sent (its
+state, a partial character included, is then the uninterrupted run's), so
+the next responses are the ones the uninterrupted run would have sent; stop
+strings are searched across the boundary. A seeded sequence's generator
+skips the draws the resumed tokens took (one each, at a temperature above
+0).
 """
 
 from __future__ import annotations
@@ -136,6 +150,7 @@ class TokenOut:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: InferGateError | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens whose text this response completes
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +177,13 @@ class GenSequence:
     length: int = 0  # positions in the cache
     completion: int = 0  # tokens chosen
     last_token: int = -1
+    resumed: tuple[int, ...] = ()  # tokens generated before (elsewhere), prefilled after the prompt
     text: bytearray = field(default_factory=bytearray)  # the completion's bytes, sent or held
-    # Chunks that may start a stop string, each with its token's log probabilities.
-    held: collections.deque[tuple[bytes, TokenLogprobs | None]] = field(default_factory=collections.deque)
+    # Chunks that may start a stop string, each with its token's log probabilities and the ids it completes.
+    held: collections.deque[tuple[bytes, TokenLogprobs | None, tuple[int, ...]]] = field(
+        default_factory=collections.deque)
     sent_bytes: int = 0
+    unnamed: list[int] = field(default_factory=list)  # tokens whose text went out with no response yet
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
@@ -226,6 +244,7 @@ class Scheduler:
         self._offload = offload
         self._eos = [eos_id] if isinstance(eos_id, int) else list(eos_id)
         self._eos = [e for e in self._eos if e >= 0]
+        self.eos_ids: tuple[int, ...] = tuple(self._eos)
         self._banned = list(banned)
         self._batch = limits.max_batch_sequences or limits.max_sequences
         self._waiting: collections.deque[GenSequence] = collections.deque()
@@ -240,11 +259,13 @@ class Scheduler:
     # --- admission (event loop thread) -------------------------------------------
 
     def admit(self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenOut], None],
-              cancelled: threading.Event, text: TokenText | Callable[[int], bytes]) -> GenSequence | None:  # fmt: skip
+              cancelled: threading.Event, text: TokenText | Callable[[int], bytes],
+              resume: Sequence[int] = ()) -> GenSequence | None:  # fmt: skip
         """Queue one request, or refuse it: capacity (Overloaded, retryable) or a request that can never fit.
 
         ``text`` gives each token's bytes (a :class:`TokenText`, or a plain ``token -> bytes``).
-        ``max_tokens`` 0 is answered at once (no step, nothing held): None."""
+        ``resume``: the tokens a lost run already sent, to continue after.
+        ``max_tokens`` 0, or a resumed run already complete, is answered at once (no step, nothing held): None."""
         limits = self.limits
         if self._closed:
             raise Unavailable(f"model '{self.model}' is unloading")
@@ -254,6 +275,12 @@ class Scheduler:
         if params.max_tokens == 0:
             emit(TokenOut(finish_reason="length", prompt_tokens=len(prompt), completion_tokens=0))
             return None
+        token_text = text if hasattr(text, "flush") else _BytesOf(text)  # type: ignore[arg-type]
+        sent = bytearray()
+        for token in resume:
+            sent += token_text.feed(token)  # type: ignore[union-attr]
+        if resume and self._resumed_complete(prompt, params, resume, bytes(sent), emit):
+            return None
         capacity = min(len(prompt) + params.max_tokens, limits.max_positions)
         reserved = capacity * limits.cache_bytes_per_token
         if reserved > limits.max_cache_bytes:
@@ -261,8 +288,13 @@ class Scheduler:
         admitted = len(self._waiting) + len(self._running)
         if admitted >= limits.max_sequences or self._reserved + reserved > limits.max_cache_bytes:
             raise Overloaded(f"model '{self.model}' is at capacity ({admitted} sequences); retry later")
-        token_text = text if hasattr(text, "flush") else _BytesOf(text)  # type: ignore[arg-type]
         sequence = GenSequence(prompt, params, emit, cancelled, token_text, reserved, capacity)  # type: ignore[arg-type]
+        if resume:
+            sequence.resumed = tuple(resume)
+            sequence.completion = len(resume)
+            sequence.text, sequence.sent_bytes = sent, len(sent)
+            if params.temperature > 0.0:
+                sequence.rng.random(len(resume))  # each resumed token took one draw (choose_token)
         self._reserved += reserved
         self._waiting.append(sequence)
         if self._task is None:
@@ -270,6 +302,21 @@ class Scheduler:
             self._task.add_done_callback(self._loop_ended)
         self._wake.set()
         return sequence
+
+    def _resumed_complete(self, prompt: list[int], params: SamplingParams, resume: Sequence[int], sent: bytes,
+                          emit: Callable[[TokenOut], None]) -> bool:
+        """A resumed run that had ended when its run was lost (only its final response was missing):
+        answered at once, True; False when it goes on. Its last response sent all its text (the
+        held tail goes with the last token, or named by the end token)."""
+        if any(t in self._eos for t in resume[:-1]):
+            raise InvalidArgument("resume_token_ids holds an end token before its last id")
+        # Ended by the model, or at a stop string (its last response was cut there).
+        stopped = resume[-1] in self._eos or any(s in sent for s in params.stop)
+        if not stopped and len(resume) < params.max_tokens and len(prompt) + len(resume) < self.limits.max_positions:
+            return False
+        emit(TokenOut(finish_reason="stop" if stopped else "length", prompt_tokens=len(prompt),
+                      completion_tokens=len(resume)))
+        return True
 
     def stats(self) -> GenerationStats:
         held = sum(s.length for s in self._running) * self.limits.cache_bytes_per_token
@@ -291,7 +338,7 @@ class Scheduler:
         while self._waiting and len(self._running) + len(joining) < self._batch:
             joining.append(self._waiting.popleft())
         if joining:
-            rows = [StepRow(s.prompt, 0, None) for s in joining]
+            rows = [StepRow([*s.prompt, *s.resumed] if s.resumed else s.prompt, 0, None) for s in joining]
             self._running.extend(joining)  # counted as running (and held) from their prefill on
             await self._run_step(joining, rows)
         decoding = [s for s in self._running if s not in joining]
@@ -331,32 +378,39 @@ class Scheduler:
         sequence.last_token = token
         self._tokens += 1
         if token in self._eos:
-            self._end(sequence, "stop")
+            self._end(sequence, token)
             return
         logprobs = token_logprobs(raw, token, params.logprobs) if params.logprobs >= 0 else None
-        if self._take(sequence, sequence.token_text.feed(token), logprobs):
+        chunk = sequence.token_text.feed(token)
+        last = sequence.completion >= params.max_tokens or sequence.length + 1 >= self.limits.max_positions
+        if last:
+            # What the text still held goes out with the last token, named by it: a run resumed
+            # after that response has nothing left to send.
+            chunk += sequence.token_text.flush()
+        if self._take(sequence, chunk, logprobs, (token,)):
             return
-        if sequence.completion >= params.max_tokens or sequence.length + 1 >= self.limits.max_positions:
-            self._end(sequence, "length")
+        if last:
+            self._flush(sequence, len(sequence.text))
+            self._finish(sequence, "length")
 
-    def _end(self, sequence: GenSequence, reason: str) -> None:
-        """The sequence is done: what its text still held goes out, then its end."""
+    def _end(self, sequence: GenSequence, eos: int) -> None:
+        """The model ended the sequence with ``eos``: what its text still held goes out (named by the end
+        token, so a run resumed after it knows it ended), then its end."""
         tail = sequence.token_text.flush()
-        if tail and self._take(sequence, tail, None):
+        if tail and self._take(sequence, tail, None, (eos,)):
             return
         self._flush(sequence, len(sequence.text))
-        self._finish(sequence, reason)
+        self._finish(sequence, "stop")
 
-    def _take(self, sequence: GenSequence, chunk: bytes, logprobs: TokenLogprobs | None) -> bool:
+    def _take(self, sequence: GenSequence, chunk: bytes, logprobs: TokenLogprobs | None,
+              tokens: tuple[int, ...]) -> bool:  # fmt: skip
         """Add one token's bytes to the text and send what may go; True when a stop string ended it."""
         sequence.text += chunk
         stops = sequence.params.stop
         if not stops and not sequence.held:  # nothing to hold back: the token goes out as it is
-            if chunk or logprobs is not None:
-                sequence.sent_bytes += len(chunk)
-                sequence.emit(TokenOut(data=chunk, logprobs=logprobs))
+            self._send(sequence, chunk, logprobs, tokens)
             return False
-        sequence.held.append((chunk, logprobs))
+        sequence.held.append((chunk, logprobs, tokens))
         if stops:
             # Search only where a stop string could newly end: from just before what was sent.
             start = max(0, sequence.sent_bytes - max(len(s) for s in stops) + 1)
@@ -374,16 +428,25 @@ class Scheduler:
         """Send held chunks (one token's bytes each) up to byte ``upto`` of the completion; with ``cut``
         the chunk that crosses ``upto`` goes out cut there (the sequence ends at a stop string)."""
         while sequence.held:
-            chunk, logprobs = sequence.held[0]
+            chunk, logprobs, tokens = sequence.held[0]
             room = upto - sequence.sent_bytes
             if len(chunk) > room:
                 if not cut or room <= 0:
                     break
                 chunk = chunk[:room]
             sequence.held.popleft()
-            sequence.sent_bytes += len(chunk)
-            if chunk or logprobs is not None:
-                sequence.emit(TokenOut(data=chunk, logprobs=logprobs))
+            Scheduler._send(sequence, chunk, logprobs, tokens)
+
+    @staticmethod
+    def _send(sequence: GenSequence, chunk: bytes, logprobs: TokenLogprobs | None, tokens: tuple[int, ...]) -> None:
+        """One token's chunk goes out, naming the tokens it completes (with those that sent nothing before it)."""
+        sequence.sent_bytes += len(chunk)
+        if chunk or logprobs is not None:
+            if sequence.unnamed:
+                tokens, sequence.unnamed = (*sequence.unnamed, *tokens), []
+            sequence.emit(TokenOut(data=chunk, logprobs=logprobs, token_ids=tokens))
+        else:
+            sequence.unnamed.extend(tokens)
 
     def _finish(self, sequence: GenSequence, reason: str | None, error: InferGateError | None = None) -> None:
         """Take the sequence out and tell its client how it ended (a cancelled one is told nothing)."""

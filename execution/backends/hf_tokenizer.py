@@ -251,6 +251,10 @@ class TokenizerVocabulary:
     def text_stream(self) -> TokenText:
         return self.text.detokenizer()
 
+    @property
+    def size(self) -> int:
+        return int(self.text.tokenizer.get_vocab_size(with_added_tokens=True))
+
     def token_info(self, token: int) -> TokenInfo:
         return self.text.token_info(token)
 

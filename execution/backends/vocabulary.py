@@ -53,6 +53,11 @@ class Vocabulary(Protocol):
         """A token's text and bytes, as log probabilities name it."""
         ...
 
+    @property
+    def size(self) -> int:
+        """The ids a request may name (``resume_token_ids``): 0 to size - 1."""
+        ...
+
 
 def one_text(inputs: Mapping[str, np.ndarray], name: str) -> bytes:
     values = inputs[name].reshape(-1)
@@ -66,6 +71,10 @@ class ByteVocabulary:
 
     def __init__(self, bos: int) -> None:
         self._bos = bos
+
+    @property
+    def size(self) -> int:
+        return 256  # the bytes: a generation's BOS, EOS or padding is never sent
 
     def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
         return ([self._bos] if self._bos >= 0 else []) + list(one_text(inputs, "text_input"))

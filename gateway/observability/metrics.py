@@ -275,6 +275,23 @@ class GatewayCollector(Collector):
             "Time from a worker's streamed response reaching the gateway to the gateway writing it to its client")
         forward.add_metric([], _cumulative(FORWARD_BUCKETS_S, streams.forward.counts), streams.forward.sum)
         yield from (opened, open_now, responses, per_stream, first, forward)
+        yield from self._resumes()
+
+    def _resumes(self) -> Iterator[Metric]:
+        """Generations whose replica was lost mid-stream (``gateway.routing.resume``)."""
+        resumes = getattr(self._gw.router, "resumes", None)
+        if resumes is None:
+            return
+        resumed = CounterMetricFamily("infergate_stream_resumes",
+                                      "Generations whose replica was lost mid-stream, continued on another replica",
+                                      labels=["model"])
+        failed = CounterMetricFamily("infergate_stream_resumes_failed",
+                                     "Generations whose replica was lost mid-stream and that could not be continued",
+                                     labels=["model"])
+        for family, counts in ((resumed, resumes.resumed), (failed, resumes.not_resumed)):
+            for model, n in sorted(counts.items()):
+                family.add_metric([model], n)
+        yield from (resumed, failed)
 
 
 def _generation(models: list[tuple[tuple[str, str], ModelStreams]]) -> Iterator[Metric]:

@@ -32,6 +32,7 @@ class ObservedRouter(Protocol):
 
     outliers: Any
     row_costs: Any
+    resumes: Any  # generations resumed (``resumed``) and not (``not_resumed``), by model
 
     def worker_stats(self) -> Iterable[Any]: ...
 

@@ -43,10 +43,11 @@ among replicas).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 from tritonclient.grpc import service_pb2
@@ -61,6 +62,7 @@ from gateway.routing.hedging import AttemptPolicy, LatencyTracker
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
 from gateway.routing.outlier_trials import ReturnTrials
+from gateway.routing.resume import Resumes
 from gateway.routing.retry_budget import Backoff, RetryBudget
 from gateway.routing.tries import MAX_CALL_TIMEOUT_S, OpenStream, Tries, rows_of
 from gateway.settings import HedgeSettings
@@ -112,6 +114,7 @@ class Router:
         self.attempts = AttemptPolicy(self.outliers, self.retry_budget, backoff, self.latency,
                                       hedging or HedgeSettings(), retry_limit, self._clock)
         self.tries = Tries(cluster, self.bounds, self.outliers, self._clock, self._slot_freed)
+        self.resumes = Resumes(self.attempts)
         # model -> version -> capacity; "" is the model's any-version capacity.
         self._capacities: dict[str, dict[str, ModelCapacity]] = {}
         # Replicas going up or down change every model's capacity (and reset a returning worker's circuit).
@@ -208,24 +211,46 @@ class Router:
 
         The race runs until a replica sends the first response (retried, budgeted
         and judged as a batch's attempts are, never hedged); the rest comes from
-        that replica, which holds a slot until the stream ends.
+        that replica, which holds a slot until the stream ends. A generation
+        whose replica is lost goes on on another (``gateway.routing.resume``).
         """
-        tries = self.tries
-        race: AttemptRace[WorkerState, OpenStream] = AttemptRace(
-            self.attempts, model, deadline,
-            acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
-            try_pick=lambda avoid: None,
-            send=lambda worker: tries.open_stream(worker, model, version, request, deadline),
-            speculative=False,
-            discard=OpenStream.close,
-        )
-        opened = await race.run(await self._acquire(model, version, deadline, set()))
+        info = self.cluster.model(model)
+        generation = self.resumes.generation(info.config if info is not None else None, request)
+        opened = await self._open_stream(model, version, request, set(), deadline)
+        if generation is not None:
+            reopen = functools.partial(self._open_stream, model, version, deadline=deadline)
+            responses = self.resumes.responses(model, generation, opened, reopen, deadline)
+            async with aclosing(responses):
+                async for item in responses:
+                    yield item
+            return
         try:
             yield opened.first
             async for item in opened.rest():
                 yield item
         finally:
             await opened.close()
+
+    async def _open_stream(self, model: str, version: str, request: service_pb2.ModelInferRequest,
+                           avoid: set[WorkerState], deadline: float | None) -> OpenStream:  # fmt: skip
+        """A stream's race, up to its first response, on a replica outside ``avoid`` (those a resumed
+        generation lost: never tried again by it)."""
+        tries = self.tries
+
+        async def send(worker: WorkerState) -> OpenStream:
+            if worker in avoid:
+                raise Unavailable(f"no replica of model '{model}' is left that this stream has not tried")
+            return await tries.open_stream(worker, model, version, request, deadline)
+
+        race: AttemptRace[WorkerState, OpenStream] = AttemptRace(
+            self.attempts, model, deadline,
+            acquire=lambda tried: self._acquire(model, version, deadline, tried | avoid),
+            try_pick=lambda tried: None,
+            send=send,
+            speculative=False,
+            discard=OpenStream.close,
+        )
+        return await race.run(await self._acquire(model, version, deadline, set(avoid)))
 
     async def acquire(self, model: str, version: str, deadline: float | None,
                       avoid: set[WorkerState] | None = None) -> WorkerState:

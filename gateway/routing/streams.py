@@ -7,7 +7,8 @@ the stream ends), except for the models the gateway serves itself
 (``in_process``: split decoders, whose decoding loop runs here). A lost
 replica after the first response ends that stream alone with
 ``gateway.routing.tries.StreamLost`` (UNAVAILABLE), naming the replica and
-the responses already sent.
+the responses already sent, unless the stream is a generation's, which
+goes on on another replica (``gateway.routing.resume``).
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ happens on the replica chosen, the same for a batch and for a stream:
 
 A stream's try ends at its first response (:meth:`Tries.open_stream`):
 before it, a failure is a failed try like a batch's, retried by the race;
-after it, the request cannot be replayed, and a lost replica ends that
-stream alone with :class:`StreamLost`, charged to the replica as a failure
-(the outlier detector counts it, so a replica that fails streams is ejected
-as one that fails batches is).
+after it, the request cannot be replayed as it is, and a lost replica ends
+that try with :class:`StreamLost`, charged to the replica as a failure (the
+outlier detector counts it, so a replica that fails streams is ejected as
+one that fails batches is). A generation's stream goes on elsewhere from
+there (``gateway.routing.resume``); any other stream ends with it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,16 @@ MAX_CALL_TIMEOUT_S = 86_400.0
 
 
 class StreamLost(Unavailable):
-    """The replica serving a stream was lost after it had sent responses: the stream ends here."""
+    """The replica serving a stream was lost after it had sent responses: the stream ends here
+    (unless it is a generation's, which resumes elsewhere: ``gateway.routing.resume``).
+
+    ``worker``: the replica lost; ``left_rotation``: the loss took it out of the model's
+    rotation (marked DOWN, or it dropped the model)."""
+
+    def __init__(self, message: str, worker: WorkerState | None = None, left_rotation: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.left_rotation = left_rotation
 
 
 def rows_of(request: service_pb2.ModelInferRequest | wire.RawInferRequest) -> int:
@@ -88,7 +98,8 @@ class OpenStream:
             self._tries.lost(self.worker, self._model, e)
             raise StreamLost(
                 f"worker {self.worker.address} was lost during the stream of request '{self._request_id}' after "
-                f"{sent} response(s) were sent: {e}") from None
+                f"{sent} response(s) were sent: {e}", self.worker,
+                isinstance(e, (WorkerUnreachable, ModelNotReady, ModelNotFound))) from None
 
     async def close(self) -> None:
         """End the stream (cancelling it where it runs when not answered in full) and free its slot."""
