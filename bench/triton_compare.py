@@ -7,10 +7,10 @@ Starts, on this machine:
   serving the Python-backend copy of ``mlp`` (models/triton.py: ONNX Runtime
   on the CPU inside Triton's Python stub, Triton's dynamic batcher on);
 * an infergate worker serving the ONNX ``mlp``;
-* one gateway in front of the Triton server (its relay lane on, the
-  default: ``mlp``'s calls go on to Triton as their bytes), one more with
-  ``relay: off`` (every call read, batched and written again), and one in
-  front of the worker;
+* one gateway in front of the Triton server with its relay lane on
+  (``relay: auto``: ``mlp``'s calls go on to Triton as their bytes), one
+  more with ``relay: off`` (the default: every call read, batched and
+  written again), and one in front of the worker;
 * ``infergate serve`` running the same ``mlp`` in its own process (one
   process, as Triton is);
 * a bare ``grpc.aio`` server that answers every call with a prebuilt reply
@@ -153,7 +153,9 @@ def main() -> int:
         no_hold.write_text("batching:\n  burst_hold_us: 0\n")
         relay_off = workdir / "relay_off.yaml"
         relay_off.write_text("relay: \"off\"\n")
-        for name, address, extra in (("triton", f"triton://{triton.grpc_url}", []),
+        relay_on = workdir / "relay_on.yaml"
+        relay_on.write_text("relay: auto\n")
+        for name, address, extra in (("triton", f"triton://{triton.grpc_url}", ["--config", str(relay_on)]),
                                      ("triton, relay off", f"triton://{triton.grpc_url}", ["--config", str(relay_off)]),
                                      ("worker", worker_url(worker), []),
                                      ("worker, no burst hold", worker_url(worker), ["--config", str(no_hold)])):

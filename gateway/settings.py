@@ -404,7 +404,8 @@ class GatewayConfig:
     default_timeout_s: float = 60.0
     # "auto": a ModelInfer call that no gateway feature needs to read is relayed as its bytes
     # (gateway/core/relay.py); "off": every call is read. `models.<name>.relay` sets one model's.
-    relay: str = "auto"
+    # Off until the lane is faster than the full path under load (bench/results.md).
+    relay: str = "off"
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
     # Triton's --strict-readiness: ready only while every model the gateway is

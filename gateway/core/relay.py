@@ -15,7 +15,8 @@ server's own), as on the full path.
 
 Which models take it is decided once per model and kept until the cluster's
 view of the model changes (:class:`RelayLanes`). A model takes the lane when
-the gateway's ``relay`` setting (or ``models.<name>.relay``) is ``auto`` and
+the gateway's ``relay`` setting (or ``models.<name>.relay``) is ``auto`` (the
+default is ``off``: under load the lane is not faster yet, bench/results.md) and
 
 - every replica relays (a gRPC server: an infergate worker or Triton; the
   local replica and OpenAI-protocol servers do not);

@@ -137,6 +137,7 @@ async def fake_tritons(count: int) -> AsyncIterator[list[FakeTriton]]:
 @asynccontextmanager
 async def gateway_before(fakes: list[FakeTriton], path: str | None = None,
                          **settings: Any) -> AsyncIterator[RunningGateway]:
+    settings.setdefault("relay", "auto")  # the lane is off unless asked for
     config = load_config(path, host="127.0.0.1", http_port=0, grpc_port=0,
                          workers=[f"triton://{f.address}" for f in fakes], **settings)
     running = await start_gateway(config)
@@ -312,6 +313,11 @@ async def test_a_call_asking_for_classification_takes_the_full_path() -> None:
         assert not fake.calls or _read_by_the_gateway(fake, sent)
 
 
+async def test_the_lane_is_off_by_default() -> None:
+    async with fake_tritons(1) as [fake], gateway_before([fake], relay=None) as running:
+        assert running.gateway.relay_lanes()["relayed"].why == "relay is off"
+
+
 async def test_relay_off_turns_the_lane_off() -> None:
     async with fake_tritons(1) as [fake], gateway_before([fake], relay="off") as running, raw_client(running) as infer:
         verdict = running.gateway.relay_lanes()["relayed"]
@@ -323,8 +329,9 @@ async def test_relay_off_turns_the_lane_off() -> None:
 
 async def test_one_models_relay_off_in_the_config_file(tmp_path: Any) -> None:
     path = tmp_path / "gateway.yaml"
-    path.write_text("models:\n  relayed:\n    relay: off\n")  # YAML reads a bare off as false: still "off"
-    async with fake_tritons(1) as [fake], gateway_before([fake], path=str(path)) as running:
+    # YAML reads a bare off as false and on as true: still "off", and "auto".
+    path.write_text("relay: on\nmodels:\n  relayed:\n    relay: off\n")
+    async with fake_tritons(1) as [fake], gateway_before([fake], path=str(path), relay=None) as running:
         lanes = running.gateway.relay_lanes()
         assert not lanes["relayed"].on and lanes["relayed"].why == "relay is off"
         assert lanes["seq"].on

@@ -37,7 +37,7 @@ def config(**fields: Any) -> mc.ModelConfig:
 
 
 def lanes(gateway: GatewayConfig | None = None, *, cache_bytes: int = 0) -> tuple[RelayLanes, Any]:
-    gateway = gateway or GatewayConfig()
+    gateway = gateway or GatewayConfig(relay="auto")
     router = SimpleNamespace(bounds=SimpleNamespace(relayed=set()))
     parallel = SimpleNamespace(serves=lambda name: False)
     made = RelayLanes(gateway.relay_mode, router=router, batchers=Batchers(batch_policy_for(gateway)),  # type: ignore[arg-type]
@@ -67,12 +67,12 @@ def test_a_model_the_gateway_batches_is_read() -> None:
 def test_a_model_not_batched_here_relays_on_any_grpc_server() -> None:
     assert lanes()[0].verdict("m", info(config(max_batch_size=0), "infergate")).on
     assert lanes()[0].verdict("m", info(config(has=["sequence_batching"]), "infergate")).on
-    off = GatewayConfig(batching=BatchingSettings(mode="off"))
+    off = GatewayConfig(relay="auto", batching=BatchingSettings(mode="off"))
     assert lanes(off)[0].verdict("m", info(config(), "infergate")).on
 
 
 def test_gateway_batching_keys_for_the_model_keep_it_read() -> None:
-    gateway = GatewayConfig(models={"m": {"max_queue_delay_us": 500}})
+    gateway = GatewayConfig(relay="auto", models={"m": {"max_queue_delay_us": 500}})
     assert not lanes(gateway)[0].verdict("m", info(config(has=["dynamic_batching"]), "triton")).on
 
 
@@ -97,10 +97,16 @@ def test_features_that_read_the_model_keep_it_read() -> None:
     assert not lanes()[0].verdict("m", info(ensemble, "triton")).on
 
 
+def test_relay_is_off_by_default_and_on_for_one_model() -> None:
+    cfg = config(has=["dynamic_batching"])
+    assert not lanes(GatewayConfig())[0].verdict("m", info(cfg, "triton")).on
+    assert lanes(GatewayConfig(models={"m": {"relay": "auto"}}))[0].verdict("m", info(cfg, "triton")).on
+
+
 def test_relay_off_gateway_wide_or_for_one_model() -> None:
     cfg = config(has=["dynamic_batching"])
     assert lanes(GatewayConfig(relay="off"))[0].verdict("m", info(cfg, "triton")).why == "relay is off"
-    one = GatewayConfig(models={"m": {"relay": "off"}})
+    one = GatewayConfig(relay="auto", models={"m": {"relay": "off"}})
     assert not lanes(one)[0].verdict("m", info(cfg, "triton")).on
     assert lanes(one)[0].verdict("other", info(cfg, "triton")).on
 
