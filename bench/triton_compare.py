@@ -7,7 +7,10 @@ Starts, on this machine:
   serving the Python-backend copy of ``mlp`` (models/triton.py: ONNX Runtime
   on the CPU inside Triton's Python stub, Triton's dynamic batcher on);
 * an infergate worker serving the ONNX ``mlp``;
-* one gateway in front of the Triton server and one in front of the worker;
+* one gateway in front of the Triton server with its relay lane on
+  (``relay: auto``: ``mlp``'s calls go on to Triton as their bytes), one
+  more with ``relay: off`` (the default: every call read, batched and
+  written again), and one in front of the worker;
 * ``infergate serve`` running the same ``mlp`` in its own process (one
   process, as Triton is);
 * a bare ``grpc.aio`` server that answers every call with a prebuilt reply
@@ -21,7 +24,11 @@ comparison is of the serving paths, not of thread counts. Then
 ``infergate bench`` (closed loop, gRPC, batch 1) measures each target at each
 concurrency level, targets interleaved per level so drift in the machine's
 load hits all three alike: Triton directly, the gateway to Triton, the
-gateway to the worker, ``serve``, the bare echo server.
+gateway to the worker, ``serve``, the bare echo server. Beside each rate, the
+CPU milliseconds per request of the process that answers the client (the
+gateway, where one is in front; Triton with its backend stubs when direct):
+its CPU time over the level divided by the wall time and the level's rate, so
+warm-up counts as measured calls do.
 
 Run: ``python bench/triton_compare.py [--concurrency 16 64] [--json out.json]``.
 Linux x86_64 only (the bundled Triton). Clients and servers share the
@@ -37,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loadtest.suite_procs import cpu_seconds
 from models.build import build_repository
 from models.triton import build_triton_repository
 from tests.harness import Proc, start, start_worker, worker_url
@@ -81,6 +90,20 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> di
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     [level] = json.loads(out.read_text())["levels"]
     return level
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process below it (Triton's Python backend stubs), from /proc."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += cpu_seconds(current) or 0.0
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in task.read_text().split())
+            except OSError:
+                continue
+    return total
 
 
 def summarize(level: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +151,12 @@ def main() -> int:
         gateways: dict[str, Proc] = {}
         no_hold = workdir / "no_burst_hold.yaml"
         no_hold.write_text("batching:\n  burst_hold_us: 0\n")
-        for name, address, extra in (("triton", f"triton://{triton.grpc_url}", []),
+        relay_off = workdir / "relay_off.yaml"
+        relay_off.write_text("relay: \"off\"\n")
+        relay_on = workdir / "relay_on.yaml"
+        relay_on.write_text("relay: auto\n")
+        for name, address, extra in (("triton", f"triton://{triton.grpc_url}", ["--config", str(relay_on)]),
+                                     ("triton, relay off", f"triton://{triton.grpc_url}", ["--config", str(relay_off)]),
                                      ("worker", worker_url(worker), []),
                                      ("worker, no burst hold", worker_url(worker), ["--config", str(no_hold)])):
             if name.endswith("no burst hold") and not args.without_burst_hold:
@@ -143,10 +171,20 @@ def main() -> int:
         procs.append(echo)
         targets = {
             "triton direct": triton.grpc_url,
-            "gateway -> triton": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
+            "gateway -> triton (relay lane)": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
+            "gateway -> triton, relay off": f"127.0.0.1:{gateways['triton, relay off'].ready['grpc_port']}",
             "gateway -> infergate worker": f"127.0.0.1:{gateways['worker'].ready['grpc_port']}",
             "infergate serve": worker_url(serve),
             "bare grpc.aio echo, no model": worker_url(echo),
+        }
+        # Whose CPU each row reports: the process the client talks to.
+        answering = {
+            "triton direct": (triton.pid, tree_cpu_seconds),
+            "gateway -> triton (relay lane)": (gateways["triton"].pid, cpu_seconds),
+            "gateway -> triton, relay off": (gateways["triton, relay off"].pid, cpu_seconds),
+            "gateway -> infergate worker": (gateways["worker"].pid, cpu_seconds),
+            "infergate serve": (serve.pid, cpu_seconds),
+            "bare grpc.aio echo, no model": (echo.pid, cpu_seconds),
         }
         if args.without_burst_hold:  # the same gateway without batching.burst_hold_us, for a before/after
             targets["gateway -> worker, no burst hold"] = (
@@ -154,13 +192,21 @@ def main() -> int:
         results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in targets}
         for concurrency in args.concurrency:
             for name, url in targets.items():
+                pid, cpu_of = answering.get(name, (0, None))
+                cpu_before, wall_before = (cpu_of(pid) or 0.0) if cpu_of else 0.0, time.monotonic()
                 level = bench(url, concurrency, args, workdir / "level.json")
+                cpu_s = ((cpu_of(pid) or 0.0) - cpu_before) if cpu_of else 0.0
+                wall_s = time.monotonic() - wall_before
                 results[name][concurrency] = summarize(level)
                 r = results[name][concurrency]
+                rps = r["throughput_rps"]
+                r["cpu_ms_per_request"] = cpu_s / wall_s / rps * 1000 if cpu_of and rps else None
                 batch = r["server_avg_batch"]
-                print(f"{name:<28} c={concurrency:<3} {r['throughput_rps']:8.0f} req/s  "
+                cpu = r["cpu_ms_per_request"]
+                print(f"{name:<32} c={concurrency:<3} {rps:8.0f} req/s  "
                       f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  errors {r['errors']}  "
-                      f"server batch {batch if batch is None else round(batch, 1)}", flush=True)
+                      f"server batch {batch if batch is None else round(batch, 1)}  "
+                      f"CPU {'-' if cpu is None else f'{cpu:.3f}'} ms/req", flush=True)
     finally:
         # Gateways first, then the servers behind them.
         for proc in reversed(procs):
@@ -168,11 +214,16 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    header = "| target | " + " | ".join(f"c={c} req/s | c={c} p99 ms" for c in args.concurrency) + " |"
+    header = "| target | " + " | ".join(f"c={c} req/s | c={c} p99 ms | c={c} CPU ms/req"
+                                       for c in args.concurrency) + " |"
     print(header)
-    print("|" + "---|" * (1 + 2 * len(args.concurrency)))
+    print("|" + "---|" * (1 + 3 * len(args.concurrency)))
     for name, by_level in results.items():
-        cells = [f"{by_level[c]['throughput_rps']:.0f} | {by_level[c]['p99_ms']:.1f}" for c in args.concurrency]
+        cells = []
+        for c in args.concurrency:
+            cpu = by_level[c].get("cpu_ms_per_request")
+            cells.append(f"{by_level[c]['throughput_rps']:.0f} | {by_level[c]['p99_ms']:.1f} | "
+                         f"{'-' if cpu is None else f'{cpu:.3f}'}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"executors": args.executors, "results": results}, indent=2))

@@ -45,6 +45,7 @@ from gateway.caching.response_cache import ResponseCache
 from gateway.core import CoreSettings, Gateway, LocalModelControl, LocalStatistics, ModelControl, StatisticsScope
 from gateway.core.models import ModelCatalog
 from gateway.core.pipeline import RequestPipeline
+from gateway.core.relay import RelayLanes, RelayPath
 from gateway.core.streaming import StreamPath
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet.cluster import Cluster, ClientFactory
@@ -183,12 +184,19 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
                           cluster_join_wait_s=settings.cluster_join_wait_s)
     streaming = StreamPath(PrefixStreamRouting(router, in_process=decoders), StreamStats(), stats=stats,
                            latency=latency)
+    admission = Admission(config.admission)
+    # Calls no gateway feature needs to read go on as their bytes (the relay lane), decided per model.
+    lanes = RelayLanes(config.relay_mode, router=router, batchers=batchers, cache=cache, parallel=parallel,
+                       gateway_batching=lambda name: bool(config.batching_settings(name)))
+    relaying = RelayPath(lanes, models, admission=admission, cluster=cluster, router=router, sequences=sequences,
+                         placement=fleet.placement, stats=stats, latency=latency,
+                         default_timeout_s=settings.default_timeout_s)
     pipeline = RequestPipeline(
-        models, streaming, admission=Admission(config.admission), cluster=cluster, router=router, parallel=parallel,
+        models, streaming, admission=admission, cluster=cluster, router=router, parallel=parallel,
         placement=fleet.placement, batchers=batchers, sequences=sequences, cache=cache, ensembles=ensembles,
         # Label files of the classification extension, read from the repository the gateway knows.
         labels=LabelFiles(config.model_repository), tracing=tracing, stats=stats, latency=latency,
-        default_timeout_s=settings.default_timeout_s)
+        default_timeout_s=settings.default_timeout_s, relaying=relaying)
     gateway = Gateway(
         settings, models, pipeline, cluster=cluster, router=router, fleet=fleet, parallel=parallel, decoders=decoders,
         batchers=batchers, sequences=sequences, cache=cache, ensembles=ensembles, stats=stats, latency=latency,

@@ -29,6 +29,7 @@ from gateway.settings import (
     MODEL_CONTROL_MODES,
     PARALLEL_KEYS,
     PLACEMENT_KEYS,
+    RELAY_MODES,
     WORKER_CALLS,
     WORKER_STREAMS,
     WORKER_KINDS,
@@ -88,7 +89,16 @@ _SECURITY_PATH_KEYS = ("api_key_file", "admin_key_file", "tls_cert", "tls_key", 
                        "worker_tls_ca", "worker_tls_cert", "worker_tls_key")
 
 
+def relay_setting(value: Any) -> Any:
+    """A relay setting as written: YAML reads a bare ``off`` as false (and ``on`` as true, which is ``auto``)."""
+    if isinstance(value, bool):
+        return "auto" if value else "off"
+    return value
+
+
 def _coerce(key: str, default: Any, value: Any) -> Any:
+    if key == "relay":
+        value = relay_setting(value)
     try:
         if isinstance(default, bool):
             return parse_bool(value)
@@ -236,6 +246,8 @@ def _models(raw: Any) -> dict[str, Mapping[str, Any]]:
         if not isinstance(settings, Mapping):
             raise ConfigError(f"models.{name} must be a mapping of settings")
         models[str(name)] = dict(settings)
+        if "relay" in settings:
+            models[str(name)]["relay"] = relay_setting(settings["relay"])
     return models
 
 
@@ -259,7 +271,8 @@ def _dedupe(workers: list[WorkerSpec]) -> list[WorkerSpec]:
 
 def _validate(config: GatewayConfig) -> None:
     """What no group checks itself: the top-level keys and the models."""
-    choices = {"worker_calls": WORKER_CALLS, "worker_streams": WORKER_STREAMS, "model_control_mode": MODEL_CONTROL_MODES}
+    choices = {"worker_calls": WORKER_CALLS, "worker_streams": WORKER_STREAMS, "model_control_mode": MODEL_CONTROL_MODES,
+               "relay": RELAY_MODES}
     for key, allowed in choices.items():
         if getattr(config, key) not in allowed:
             raise ConfigError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
@@ -282,6 +295,9 @@ def _validate(config: GatewayConfig) -> None:
         mode = settings.get("mode")
         if mode is not None and mode not in BATCHING_MODES:
             raise ConfigError(f"models.{name}.mode must be one of {BATCHING_MODES}, got {mode!r}")
+        relay = settings.get("relay")
+        if relay is not None and relay not in RELAY_MODES:
+            raise ConfigError(f"models.{name}.relay must be one of {RELAY_MODES}, got {relay!r}")
         _validate_logical(name, settings)
         _validate_placement(name, settings)
     for entry in config.worker_dns:

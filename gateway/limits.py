@@ -84,11 +84,14 @@ class Admission:
 
     def admit(self, request: InferRequest) -> Ticket:
         """A ticket for ``request``, or ``Overloaded`` at once when a bound is reached."""
+        return self.admit_bytes(sum(memoryview(t.data).nbytes for t in request.inputs), request.priority)
+
+    def admit_bytes(self, nbytes: int, priority: int = 0) -> Ticket:
+        """A ticket for a request of ``nbytes`` at ``priority`` (a relayed call: its message's size)."""
         settings = self.settings
-        nbytes = sum(memoryview(t.data).nbytes for t in request.inputs)
         limit = settings.max_inflight_requests
         if limit:
-            bound = limit if request.priority == 1 else self._ordinary_limit
+            bound = limit if priority == 1 else self._ordinary_limit
             if self._requests >= bound:
                 self._rejected += 1
                 raise Overloaded(

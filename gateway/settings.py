@@ -21,6 +21,10 @@ BATCHING_MODES = ("adaptive", "fixed", "off")
 MODEL_CONTROL_MODES = ("none", "explicit")
 WORKER_CALLS = ("unary", "stream")
 WORKER_STREAMS = ("packed", "per_request")
+# Which calls take the relay lane (gateway/core/relay.py): "auto", those no gateway feature needs to read; "off", none.
+RELAY_MODES = ("auto", "off")
+# `models.<name>` keys of the request path beside batching: the model's relay lane (RELAY_MODES).
+LANE_KEYS = ("relay",)
 LOCAL_DEVICES = ("auto", "cpu", "cuda")
 # How a local replica's ONNX Runtime sessions use the CPU (execution.backends.onnx).
 CPU_SESSIONS = ("adaptive", "shared", "per_instance")
@@ -398,6 +402,10 @@ class GatewayConfig:
     worker_keepalive_s: float = 10.0
     triton_keepalive_s: float = 310.0
     default_timeout_s: float = 60.0
+    # "auto": a ModelInfer call that no gateway feature needs to read is relayed as its bytes
+    # (gateway/core/relay.py); "off": every call is read. `models.<name>.relay` sets one model's.
+    # Off until the lane is faster than the full path under load (bench/results.md).
+    relay: str = "off"
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
     # Triton's --strict-readiness: ready only while every model the gateway is
@@ -435,7 +443,12 @@ class GatewayConfig:
 
     def batching_settings(self, name: str) -> Mapping[str, Any]:
         """The model's settings without the keys that declare a logical model."""
-        return {k: v for k, v in self.models.get(name, {}).items() if k not in PARALLEL_KEYS and k not in PLACEMENT_KEYS}
+        return {k: v for k, v in self.models.get(name, {}).items()
+                if k not in PARALLEL_KEYS and k not in PLACEMENT_KEYS and k not in LANE_KEYS}
+
+    def relay_mode(self, name: str) -> str:
+        """The model's relay setting (``models.<name>.relay``), else the gateway's (``relay``)."""
+        return str(self.models.get(name, {}).get("relay", self.relay))
 
     def logical_models(self) -> dict[str, Mapping[str, Any]]:
         """Logical models (split across workers): entries with a `from:` or `path:` key."""

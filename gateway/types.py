@@ -65,6 +65,32 @@ class InferRequest:
     trace: Any = None
 
 
+@dataclass(slots=True)
+class RelayCall:
+    """A call on the relay lane (``gateway.core.relay``): its bytes as they came, and what routing reads.
+
+    ``batch_dim``: the first input's first dimension (the rows, for a model
+    that batches), 1 when it has none; ``parameters``: the call's request
+    parameters a route reads (a sequence's id and flags).
+    """
+
+    model: str
+    version: str
+    id: str
+    data: bytes
+    nbytes: int  # the call's size, for the gateway-wide admission bound
+    batch_dim: int = 1
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    timeout_us: int = 0
+    deadline: float | None = None  # absolute, on the loop clock (the client's); None = none
+
+
+class NotRelayed(Exception):
+    """The model left the relay lane between the frontend's check and the call (its replicas changed):
+    the frontend reads the call and sends it down the full path instead. No error of the request's."""
+
+
 def request_name(req: InferRequest) -> str:
     """How a message names a request: by its id, or by what it is when it has none."""
     return f"request '{req.id}'" if req.id else f"a request of model '{req.model}'"
@@ -107,6 +133,13 @@ class InferenceCore(Protocol):
     """
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def relays(self, model: str, version: str = "") -> bool:
+        """Whether ``model``'s calls take the relay lane (``relay``) when nothing in the call asks to be read."""
+
+    async def relay(self, call: RelayCall) -> bytes:
+        """A call's answer as the replica's bytes, unread (``gateway.core.relay``); ``NotRelayed`` when the
+        model no longer takes the lane."""
 
     def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """The request's responses as they come (one, final, for an ordinary model); close it when done."""

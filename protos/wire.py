@@ -169,6 +169,41 @@ def parse_infer_request(data: bytes) -> service_pb2.ModelInferRequest | RawInfer
     return RawInferRequest(service_pb2.ModelInferRequest.FromString(rest), list(raw))
 
 
-def serialize(message: service_pb2.ModelInferRequest | service_pb2.ModelInferResponse | RawInferRequest | RawInferResponse) -> bytes:
-    """A serializer for grpc: a protobuf message, or one with its raw contents kept aside."""
+@dataclass(slots=True)
+class ReceivedInferRequest:
+    """A ``ModelInferRequest`` as received: its wire bytes, and the message parsed from them.
+
+    ``message`` is what :func:`parse_infer_request` makes of ``data``; ``data``
+    is kept so that a call the gateway need not read goes on as it came
+    (the relay lane, ``gateway.core.relay``).
+    """
+
+    data: bytes
+    message: service_pb2.ModelInferRequest | RawInferRequest
+
+    @property
+    def header(self) -> service_pb2.ModelInferRequest:
+        """Everything but the raw contents (all of it for a small message, whose raw contents stay in it)."""
+        message = self.message
+        return message.header if isinstance(message, RawInferRequest) else message
+
+    @property
+    def id(self) -> str:
+        return self.header.id
+
+
+def receive_infer_request(data: bytes) -> ReceivedInferRequest:
+    """A serialized ``ModelInferRequest`` parsed (:func:`parse_infer_request`), its bytes kept beside."""
+    return ReceivedInferRequest(data, parse_infer_request(data))
+
+
+Serializable = (service_pb2.ModelInferRequest | service_pb2.ModelInferResponse | RawInferRequest | RawInferResponse
+                | bytes)
+
+
+def serialize(message: Serializable) -> bytes:
+    """A serializer for grpc: a protobuf message, one with its raw contents kept aside, or a message's
+    bytes as another server wrote them (a relayed answer), which go out unchanged."""
+    if isinstance(message, bytes):
+        return message
     return message.SerializeToString()

@@ -27,6 +27,7 @@ from gateway.caching.response_cache import ResponseCache, fill_statistics
 from gateway.core.models import ModelCatalog, version_key
 from gateway.core.parts import CoreSettings, ModelControl, StatisticsScope
 from gateway.core.pipeline import RequestPipeline
+from gateway.core.relay import RelayVerdict
 from gateway.ensembles.plan import is_ensemble
 from gateway.ensembles.runner import Ensembles
 from gateway.fleet import repository
@@ -42,7 +43,7 @@ from gateway.parallel.generation import SplitDecoders
 from gateway.parallel.serving import ParallelModels
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
-from gateway.types import InferRequest, InferResponse
+from gateway.types import InferRequest, InferResponse, RelayCall
 from protos.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,17 @@ class Gateway:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await self.pipeline.infer(request)
+
+    def relays(self, model: str, version: str = "") -> bool:
+        return self.pipeline.relays(model, version)
+
+    async def relay(self, call: RelayCall) -> bytes:
+        return await self.pipeline.relay(call)
+
+    def relay_lanes(self) -> dict[str, RelayVerdict]:
+        """Each ready model's relay verdict (``gateway.core.relay``), for ``/v2/cluster``."""
+        lanes = self.pipeline.relaying.lanes
+        return {name: lanes.verdict(name, info) for name, info in self.cluster.models().items()}
 
     def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """The request's responses as its worker sends them (``gateway.core.streaming``); the last is

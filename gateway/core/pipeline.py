@@ -31,6 +31,10 @@ step, each step a named method here, the module doing the work in brackets:
    latency are recorded (``observability``), and the frontend encodes the answer
    (shared-memory outputs written by ``requests.shared_memory``).
 
+A call no gateway feature needs to read takes ``relay`` instead: its bytes
+go to a replica the router picks and the answer's bytes come back, unread
+(``gateway.core.relay``: which models, and what the lane keeps).
+
 A decoupled model's request takes ``stream`` instead: admitted, resolved and
 validated here, then run by ``gateway.core.streaming`` (no cache, no batch,
 one replica, each response forwarded as it comes); ``infer`` refuses it.
@@ -53,6 +57,7 @@ from gateway.batching.batcher import Batcher
 from gateway.batching.registry import Batchers
 from gateway.caching.response_cache import Lookup, ResponseCache, cache_enabled
 from gateway.core.models import ModelCatalog
+from gateway.core.relay import RelayPath
 from gateway.core.streaming import StreamPath, is_decoupled
 from gateway.ensembles.plan import is_ensemble
 from gateway.ensembles.runner import Ensembles, StepRun
@@ -67,7 +72,7 @@ from gateway.requests.classification import LabelFiles, apply_classification
 from gateway.requests.validation import validate_request
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes, is_stateful
-from gateway.types import DecoupledRefused, InferRequest, InferResponse
+from gateway.types import DecoupledRefused, InferRequest, InferResponse, RelayCall
 from protos.errors import InferGateError, Internal, InvalidArgument, Unavailable
 
 
@@ -92,7 +97,7 @@ class RequestPipeline:
                  router: Router, parallel: ParallelModels, placement: PlacementController, batchers: Batchers,
                  sequences: SequenceRoutes, cache: ResponseCache, ensembles: Ensembles, labels: LabelFiles,
                  tracing: RequestTracing, stats: GatewayStats, latency: LatencyHistograms,
-                 default_timeout_s: float) -> None:
+                 default_timeout_s: float, relaying: RelayPath) -> None:
         self._models = models
         self._admission = admission  # gateway-wide bounds on admitted requests (requests and bytes in flight)
         self._cluster = cluster
@@ -110,6 +115,18 @@ class RequestPipeline:
         self._default_timeout_s = default_timeout_s
         self.accepting = False
         self.streaming = streaming  # decoupled models' path (``core.streaming``), built by the composition root
+        self.relaying = relaying  # calls that need no reading (``core.relay``), built there too
+
+    def relays(self, model: str, version: str = "") -> bool:
+        """Whether the model's calls take the relay lane (``gateway.core.relay``) when nothing in them asks
+        to be read."""
+        return self.accepting and self.relaying.relays(model, version)
+
+    async def relay(self, call: RelayCall) -> bytes:
+        """A call on the relay lane: admitted, resolved and routed, its bytes unread (``gateway.core.relay``)."""
+        if not self.accepting:
+            raise Unavailable("the gateway is shutting down")
+        return await self.relaying.run(call)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Step 2, admit: the gateway-wide bounds come first; beyond them a request is refused at once."""

@@ -24,11 +24,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from gateway.frontends.grpc_errors import unary_edge
 from gateway.frontends.grpc_health import HealthServicer
 from gateway.frontends.grpc_streams import StreamSession
-from gateway.frontends.grpc_wire import apply_client_deadline, decode_infer_request, encode_infer_response
+from gateway.frontends.grpc_wire import apply_client_deadline, decode_infer_request, encode_infer_response, relay_call
 from gateway.frontends.log_settings import LogSettings
 from gateway.observability.tracing import RequestTracing
 from gateway.requests.shared_memory import SharedMemoryRegistry, advertise
-from gateway.types import InferenceCore, single_response_endpoint
+from gateway.types import InferenceCore, NotRelayed, single_response_endpoint
 from protos import wire
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -106,9 +106,21 @@ class _InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @unary_edge
     async def ModelInfer(
-        self, request: service_pb2.ModelInferRequest | wire.RawInferRequest, context: Any
-    ) -> service_pb2.ModelInferResponse | wire.RawInferResponse:
-        # A large message arrives with its tensors kept aside (see add_grpc_services).
+        self, received: wire.ReceivedInferRequest, context: Any
+    ) -> service_pb2.ModelInferResponse | wire.RawInferResponse | bytes:
+        # The call's bytes come with it (see add_grpc_services): a call no gateway feature needs to read
+        # goes on as those bytes, and its answer comes back as the replica's (gateway.core.relay).
+        header = received.header
+        if self._core.relays(header.model_name, header.model_version) and not self._tracing.settings.active:
+            call = relay_call(received)
+            if call is not None:
+                apply_client_deadline(call, context)
+                try:
+                    return await self._core.relay(call)
+                except NotRelayed:
+                    pass  # the model left the lane meanwhile: the call is read after all
+        # A large message arrives with its tensors kept aside.
+        request = received.message
         if isinstance(request, wire.RawInferRequest):
             req = decode_infer_request(request.header, raw=request.raw, shm=self._shm)
         else:
@@ -254,9 +266,10 @@ def add_grpc_services(
     health = HealthServicer(("", SERVICE_NAME), status)
     # ModelInfer with the large-message codec (protos.wire): tensors of a large
     # request stay views of the received bytes and large outputs are written
-    # without a copy into protobuf. Registered first, so it is the one found.
+    # without a copy into protobuf; the bytes are kept for the relay lane, whose
+    # answers are bytes and go out as they are. Registered first, so it is the one found.
     infer = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer, request_deserializer=wire.parse_infer_request, response_serializer=wire.serialize
+        servicer.ModelInfer, request_deserializer=wire.receive_infer_request, response_serializer=wire.serialize
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"ModelInfer": infer}),))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)

@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2
 from gateway.requests.classification import PARAMETER as CLASSIFICATION
 from gateway.requests.classification import class_count
 from gateway.requests.shared_memory import SHM_KEYS, SharedMemoryRegistry, take_slice, write_output
-from gateway.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from gateway.types import InferRequest, InferResponse, RelayCall, RequestedOutput, Tensor
 from protos import contents_codec, wire
 from protos.errors import InvalidArgument, Unsupported
 
@@ -171,6 +171,43 @@ def decode_infer_request(
     )
 
 
+# Request parameters a route reads (a sequence's); the rest stay in the bytes for the backend.
+_ROUTE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+
+
+def relay_call(received: wire.ReceivedInferRequest) -> RelayCall | None:
+    """The call as the relay lane takes it, or None when the gateway must read it.
+
+    Read: an input or output in a shared-memory region (the client's, known
+    only here), an output asking for classification, and parameters the
+    gateway consumes or refuses itself (``triton_`` keys, ``binary_data_output``);
+    such a call takes the full path, which answers it as ever. A ``priority`` or
+    ``timeout`` that is not a non-negative integer is refused here, as there.
+    """
+    pb = received.header
+    for tensors in (pb.inputs, pb.outputs):
+        for tensor in tensors:
+            if tensor.parameters:  # the usual case, and the cheap test on a protobuf map
+                if any(key in tensor.parameters for key in SHM_KEYS) or CLASSIFICATION in tensor.parameters:
+                    return None
+    parameters: dict[str, Any] = {}
+    priority = timeout_us = 0
+    for key, param in (pb.parameters.items() if pb.parameters else ()):
+        if key in _ROUTE_PARAMETERS:
+            parameters[key] = param_value(param)
+        elif key == _PRIORITY:
+            priority = _non_negative_int(key, param_value(param))
+        elif key == _TIMEOUT:
+            timeout_us = _non_negative_int(key, param_value(param))
+        elif key in _IGNORED_PARAMETERS or key.startswith(_RESERVED_PREFIX):
+            return None
+    inputs = pb.inputs
+    batch_dim = inputs[0].shape[0] if inputs and inputs[0].shape else 1
+    data = received.data
+    return RelayCall(model=pb.model_name, version=pb.model_version, id=pb.id, data=data, nbytes=len(data),
+                     batch_dim=batch_dim, parameters=parameters, priority=priority, timeout_us=timeout_us)
+
+
 def encode_infer_response(
     resp: InferResponse, request: InferRequest, *, raw_aside: bool = False
 ) -> service_pb2.ModelInferResponse | wire.RawInferResponse:
@@ -209,7 +246,7 @@ def encode_infer_response(
     return pb
 
 
-def apply_client_deadline(request: InferRequest, context: grpc.aio.ServicerContext) -> None:
+def apply_client_deadline(request: InferRequest | RelayCall, context: grpc.aio.ServicerContext) -> None:
     """Tighten the request's deadline to the client's gRPC deadline, on the loop clock."""
     remaining = context.time_remaining()
     if remaining is None:

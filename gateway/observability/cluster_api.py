@@ -215,6 +215,8 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
     for (name, _version), batcher in gateway.batchers().items():
         queued[name] = queued.get(name, 0) + batcher.queue_depth()
     ready = gateway.cluster.models()
+    # Which models' calls go on as their bytes (gateway.core.relay), when the gateway says.
+    lanes = gateway.relay_lanes() if hasattr(gateway, "relay_lanes") else {}
     models = []
     for name, known in sorted(gateway.cluster.known_models().items()):
         info = ready.get(name)
@@ -231,6 +233,8 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
             # verdict (true light, false heavy, null not judged yet or the rule off).
             "worker_ms_per_row": _ms(gateway.router.row_costs.median_row_s(name)),
             "light": gateway.router.row_costs.verdict(name),
+            # The relay lane: on or off, and why (null while the model is not ready).
+            "relay": {"on": lanes[name].on, "why": lanes[name].why} if name in lanes else None,
         })
     return {
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},

@@ -10,7 +10,8 @@ number of answers, the last one final). Implementations:
 Triton server over gRPC), ``gateway.replicas.openai_server.OpenAIServer``
 (an OpenAI-protocol LLM server over HTTP) and
 ``gateway.replicas.local.LocalReplica`` (the models of a repository in this
-process); a test may write its own in a few lines. A replica that reads its
+process); a test may write its own in a few lines. A replica that forwards a
+call's bytes unread (the relay lane) also offers :class:`Relays`. A replica that reads its
 server's own queue and cache figures also offers them (:class:`ReportsLoad`):
 the cluster keeps the latest with the worker, the replica choice weighs them.
 
@@ -112,6 +113,20 @@ class ReportsLoad(Protocol):
 
     def server_load(self) -> ServerLoad | None:
         """The figures of the last probe; None when the server exposes none."""
+        ...
+
+
+@runtime_checkable
+class Relays(Protocol):
+    """A replica that takes a ``ModelInfer`` call's bytes as they came and answers with its server's bytes
+    (the relay lane, ``gateway.core.relay``): a gRPC server of the KServe protocol. The local replica and
+    an OpenAI-protocol server have no such method, so their models never take the lane."""
+
+    async def relay(self, data: bytes, timeout_s: float | None = None) -> bytes:
+        """The server's ``ModelInferResponse`` bytes for the ``ModelInferRequest`` bytes ``data``, unread.
+
+        A failure is the ``protos.errors`` class of the server's status, with its words, as ``infer``'s.
+        """
         ...
 
 

@@ -127,6 +127,7 @@ class WorkerClient:
         self._stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = {}
         # ModelInfer on the data channel, serializing requests whose large tensors are kept aside (protos.wire).
         self._model_infer: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._relayed: grpc.aio.UnaryUnaryMultiCallable | None = None  # ModelInfer on bytes (relay)
         # With stream_calls, small inference calls to an infergate worker go as
         # messages of one stream (gateway.replicas.unary_stream); large ones stay
         # unary, so a big tensor never holds up the stream's other messages.
@@ -258,6 +259,18 @@ class WorkerClient:
             # A stream message carries no status code: the same request once
             # more as a unary call answers with the worker's own status.
         return await self._call(self._unary_infer(), request, timeout_s, _DATA)
+
+    async def relay(self, data: bytes, timeout_s: float | None = None) -> bytes:
+        """The worker's answer to a ``ModelInfer`` call's bytes, as bytes: nothing is parsed either way
+        (``Relays``). Always a unary call: only a status carries the worker's code beside its words."""
+        return await self._call(self._relayed_infer(), data, timeout_s, _DATA)
+
+    def _relayed_infer(self) -> Callable[..., Awaitable[bytes]]:
+        self._service(_DATA)  # opens the data channel (or raises when closed)
+        if self._relayed is None:
+            # No serializers: the bytes go out and come back as they are.
+            self._relayed = self._channels[_DATA].unary_unary(f"/{_SERVICE}/ModelInfer")
+        return self._relayed
 
     def _unary_infer(self) -> Callable[..., Awaitable[service_pb2.ModelInferResponse]]:
         self._service(_DATA)  # opens the data channel (or raises when closed)
@@ -411,5 +424,5 @@ class WorkerClient:
         if self._packed is not None:
             await self._packed.close(grace_s)
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        self._collective = self._model_infer = None
+        self._collective = self._model_infer = self._relayed = None
         await asyncio.gather(*(c.close(grace=grace_s) for c in channels))

@@ -18,6 +18,13 @@ a replica takes up to ``max_sequences`` streams of it at once, counted apart
 (:meth:`InflightBounds.stream_started`), so they neither wait on the
 execution slots nor make the replica look busy to other models' batches.
 
+A model on the relay lane (``gateway.core.relay``: its server batches its
+calls itself) is counted apart too, in calls (:meth:`InflightBounds.call_started`):
+a replica is busy at its slots times the model's ``max_batch_size`` calls
+(the rows its executions take at once, which its own batcher fills) and full
+at twice that, so calls reach the server's queue to be batched there instead
+of waiting here one batch per slot.
+
 :class:`ModelCapacity` is the seam the batcher holds batches back on
 (``gateway.batching.seams.Capacity``): a model has *capacity* while some
 replica is below its busy bound (adaptive batching sends at once only then)
@@ -88,22 +95,42 @@ class InflightBounds:
                         for name, s in (per_model or {}).items()
                         if s.get("busy_inflight_per_replica") or s.get("max_inflight_per_replica")}
         self.row_costs = row_costs or RowCosts(0.0)  # the light-model rule, off unless given
-        # Open streams of sequence-batching models, per replica and model (see held).
+        # Open streams of sequence-batching models and calls of relayed models, per replica and model (see held).
         self._sequences: dict[WorkerState, dict[str, int]] = {}
+        # Models on the relay lane (set by gateway.core.relay when it decides a model's lane).
+        self.relayed: set[str] = set()
 
     def sequence_limit(self, worker: WorkerState, model: str) -> int:
         """Streams of ``model`` ``worker`` runs at once when the model batches its own sequences; else 0."""
         served = worker.models.get(model)
         return max_sequences(served.config) if served is not None else 0
 
+    def _apart(self, worker: WorkerState, model: str) -> bool:
+        """Whether ``model``'s calls on ``worker`` count apart from the worker's batches."""
+        return model in self.relayed or bool(self.sequence_limit(worker, model))
+
     def stream_started(self, worker: WorkerState, model: str) -> bool:
         """Count a stream of ``model`` on ``worker`` apart from its batches; False when the model has no
         sequence bound (the stream then counts as a batch in ``worker.inflight``)."""
         if not self.sequence_limit(worker, model):
             return False
+        return self._count(worker, model)
+
+    def call_started(self, worker: WorkerState, model: str) -> bool:
+        """Count a call of a relayed model on ``worker`` apart from the batches (end it with
+        :meth:`call_ended`); False when the model is not on the relay lane."""
+        if model not in self.relayed:
+            return False
+        return self._count(worker, model)
+
+    def _count(self, worker: WorkerState, model: str) -> bool:
         by_model = self._sequences.setdefault(worker, {})
         by_model[model] = by_model.get(model, 0) + 1
         return True
+
+    def call_ended(self, worker: WorkerState, model: str) -> None:
+        """A call counted by :meth:`call_started` ended."""
+        self.stream_ended(worker, model)
 
     def stream_ended(self, worker: WorkerState, model: str) -> None:
         by_model = self._sequences.get(worker)
@@ -120,8 +147,8 @@ class InflightBounds:
         its own sequences, else the worker's batches (``inflight`` less those streams)."""
         by_model = self._sequences.get(worker)
         if by_model is None:
-            return 0 if self.sequence_limit(worker, model) else worker.inflight
-        if model in by_model or self.sequence_limit(worker, model):
+            return 0 if self._apart(worker, model) else worker.inflight
+        if model in by_model or self._apart(worker, model):
             return by_model.get(model, 0)
         return worker.inflight - sum(by_model.values())
 
@@ -141,6 +168,12 @@ class InflightBounds:
         fixed_busy, fixed_most = self._bounds.get(model, (0, 0))
         fixed_busy, fixed_most = fixed_busy or self.busy_inflight_per_replica, fixed_most or self.max_inflight_per_replica
         served = worker.models.get(model)
+        if model in self.relayed:
+            # Calls, not batches: the rows the server's executions take at once, then as many waiting.
+            rows = (served.slots if served is not None else 1) * max(1, served.config.max_batch_size if served else 1)
+            busy = fixed_busy or rows
+            most = fixed_most or 2 * busy
+            return min(busy, most), most
         busy, waiting = fixed_busy or (served.slots if served is not None else 1), 1
         if not fixed_busy and served is not None and served.config.max_batch_size > 0:
             # Light: one batch runs, the rest batch up behind it. Heavy: the waiting

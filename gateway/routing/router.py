@@ -46,9 +46,9 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from tritonclient.grpc import service_pb2
 
@@ -71,6 +71,8 @@ from protos.errors import DeadlineExceeded, Unavailable
 log = logging.getLogger(__name__)
 
 __all__ = ["MAX_CALL_TIMEOUT_S", "Router"]
+
+_R = TypeVar("_R")
 
 
 class Router:
@@ -173,6 +175,24 @@ class Router:
         execution slot), raise ``NotSent`` instead of waiting
         for a slot -- the batcher keeps its requests under their queue policy.
         """
+        tries = self.tries
+        return await self._race(
+            model, version, deadline, rows_of(request), wait_for_slot,
+            lambda worker, slot_taken: tries.infer(worker, model, version, request, deadline, slot_taken))
+
+    async def relay(self, model: str, version: str, data: bytes, rows: int, deadline: float | None) -> bytes:
+        """A call's bytes to a replica of ``model``, its answer's bytes back (the relay lane, ``gateway.core.relay``):
+        the same choice and race as a batch's (retries before the answer, hedges, hangs, outlier verdicts)."""
+        tries = self.tries
+        return await self._race(
+            model, version, deadline, rows, True,
+            lambda worker, slot_taken: tries.relay(worker, model, version, data, rows, deadline, slot_taken))
+
+    async def _race(
+        self, model: str, version: str, deadline: float | None, rows: int, wait_for_slot: bool,
+        send: Callable[[WorkerState, Callable[[], None]], Awaitable[_R]],
+    ) -> _R:
+        """One call's race: the first replica, then ``send(worker, slot_taken)`` per attempt (``AttemptRace``)."""
         first: WorkerState | None = None
         if not wait_for_slot:
             replicas = self.cluster.healthy(model, version)
@@ -190,13 +210,12 @@ class Router:
                 starting = False
                 capacity.starting -= 1
 
-        tries = self.tries
-        race: AttemptRace[WorkerState, service_pb2.ModelInferResponse] = AttemptRace(
+        race: AttemptRace[WorkerState, _R] = AttemptRace(
             self.attempts, model, deadline,
             acquire=lambda avoid: self._acquire(model, version, deadline, avoid),
             try_pick=lambda avoid: self._try_pick(model, version, avoid),
-            send=lambda worker: tries.infer(worker, model, version, request, deadline, slot_taken),
-            rows=rows_of(request),
+            send=lambda worker: send(worker, slot_taken),
+            rows=rows,
         )
         try:
             # The first replica is chosen here, with no await between a pick above and its send.
@@ -265,6 +284,14 @@ class Router:
         """``request`` on ``worker`` and nowhere else (a sequence's state lives there): no retry, no hedge."""
         try:
             return await self.tries.infer(worker, model, version, request, deadline)
+        except AttemptFailed as e:
+            raise e.error from None
+
+    async def relay_to(self, worker: WorkerState, model: str, version: str, data: bytes, rows: int,
+                       deadline: float | None) -> bytes:
+        """A relayed call on ``worker`` and nowhere else (a sequence's): no retry, no hedge (as ``send_to``)."""
+        try:
+            return await self.tries.relay(worker, model, version, data, rows, deadline)
         except AttemptFailed as e:
             raise e.error from None
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
@@ -41,6 +41,8 @@ from gateway.fleet.cluster import Cluster, WorkerState, WorkerStatus
 from gateway.routing.router import Router
 from gateway.types import InferRequest, InferResponse
 from protos.errors import InvalidArgument, Unavailable
+
+_R = TypeVar("_R")
 
 SEQUENCE_ID = "sequence_id"
 SEQUENCE_START = "sequence_start"
@@ -79,8 +81,32 @@ class SequenceRoutes:
         return sum(1 for r in self._routes.values() if r.worker is not None and r.worker.address == address and not r.lost)
 
     async def infer(self, request: InferRequest, config: model_config_pb2.ModelConfig) -> InferResponse:
-        model = request.model
+        model, batched = request.model, config.max_batch_size > 0
         corrid, start, end = _flags(model, request.parameters)
+
+        async def send(worker: WorkerState) -> InferResponse:
+            pb = build_batch_request(model, request.version, [request], [request.rows], batched)
+            _set_flags(pb, corrid, start, end)
+            response = await self._router.send_to(worker, model, request.version, pb, request.deadline)
+            return split_batch_response(response, [request], [request.rows], batched)[0]
+
+        return await self._pinned(model, request.version, corrid, start, end, request.deadline, config, send)
+
+    async def relay(self, model: str, version: str, parameters: dict[str, Any], data: bytes, rows: int,
+                    deadline: float | None, config: model_config_pb2.ModelConfig) -> bytes:
+        """A relayed call of a sequence (the relay lane): its bytes, which carry the sequence's flags as the
+        client set them, to the worker holding the sequence; ``parameters``: the call's, read from its header."""
+        corrid, start, end = _flags(model, parameters)
+
+        def send(worker: WorkerState) -> Awaitable[bytes]:
+            return self._router.relay_to(worker, model, version, data, rows, deadline)
+
+        return await self._pinned(model, version, corrid, start, end, deadline, config, send)
+
+    async def _pinned(self, model: str, version: str, corrid: int | str, start: bool, end: bool,
+                      deadline: float | None, config: model_config_pb2.ModelConfig,
+                      send: Callable[[WorkerState], Awaitable[_R]]) -> _R:
+        """``send(worker)`` on the worker holding the sequence (picked at its START), in arrival order."""
         key = (model, corrid)
         now = self._clock()
         self._sweep(now, config)
@@ -95,22 +121,19 @@ class SequenceRoutes:
         route.pending += 1
         route.last_used = now
         try:
-            async with route.lock:  # no await before this since infer() began: arrival order is send order
+            async with route.lock:  # no await before this since the call began: arrival order is send order
                 if route.lost and not start:
                     raise Unavailable(route.lost)
                 if start:
                     route.lost = ""
-                    route.worker = await self._router.acquire(model, request.version, request.deadline)
+                    route.worker = await self._router.acquire(model, version, deadline)
                 worker = route.worker
                 assert worker is not None
-                pb = build_batch_request(model, request.version, [request], [request.rows], config.max_batch_size > 0)
-                _set_flags(pb, corrid, start, end)
                 try:
-                    response = await self._router.send_to(worker, model, request.version, pb, request.deadline)
+                    return await send(worker)
                 except Unavailable as e:
                     route.lost = _lost(corrid, model, worker, str(e))
                     raise Unavailable(route.lost) from None
-                return split_batch_response(response, [request], [request.rows], config.max_batch_size > 0)[0]
         finally:
             route.pending -= 1
             route.last_used = self._clock()

@@ -29,9 +29,9 @@ there (``gateway.routing.resume``); any other stream ends with it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from tritonclient.grpc import service_pb2
 
@@ -44,6 +44,8 @@ from gateway.routing.capacity import InflightBounds
 from gateway.routing.outlier import OutlierDetector
 from protos import wire
 from protos.errors import DeadlineExceeded, InferGateError, Internal, ModelNotFound, Unavailable
+
+_R = TypeVar("_R")
 
 # The longest timeout one replica call is given; the request's own deadline still holds.
 MAX_CALL_TIMEOUT_S = 86_400.0
@@ -202,23 +204,45 @@ class Tries:
         slot_taken: Callable[[], None] | None = None,
     ) -> service_pb2.ModelInferResponse:
         """One batch on ``worker``: its answer, ``AttemptFailed`` when another try may serve it, else the error."""
+        return await self.call(worker, model, version, lambda timeout_s: worker.client.infer(request, timeout_s),
+                               rows_of(request), deadline, slot_taken)
+
+    async def relay(
+        self, worker: WorkerState, model: str, version: str, data: bytes, rows: int, deadline: float | None,
+        slot_taken: Callable[[], None] | None = None,
+    ) -> bytes:
+        """One relayed call on ``worker`` (``Relays.relay``): its answer's bytes, judged as a batch's try."""
+        relay: Callable[[bytes, float | None], Awaitable[bytes]] | None = getattr(worker.client, "relay", None)
+        if relay is None:  # the lane is decided on the model's replicas (``Relays``); one may have joined since
+            raise AttemptFailed(Unavailable(f"worker {worker.address} cannot relay calls"), worker_fault=False)
+        return await self.call(worker, model, version, lambda timeout_s: relay(data, timeout_s), rows,
+                               deadline, slot_taken)
+
+    async def call(
+        self, worker: WorkerState, model: str, version: str, send: Callable[[float | None], Awaitable[_R]],
+        rows: int, deadline: float | None, slot_taken: Callable[[], None] | None = None,
+    ) -> _R:
+        """One call on ``worker`` (``send(timeout_s)``), holding its slot while it runs; its failure judged."""
         timeout_s = self.timeout_s(model, deadline)
         # The slot is held from here to the `finally`: inflight never leaks,
         # even when the try is cancelled mid-call.
         worker.inflight += 1
         worker.sent += 1
+        apart = self._bounds.call_started(worker, model)  # a relayed model's calls count apart
         if slot_taken is not None:
             slot_taken()
         try:
             costs = self._bounds.row_costs  # the light-model rule's cost per row
             started = costs.timer()
-            response = await worker.client.infer(request, timeout_s)
-            costs.observe(model, costs.timer() - started, rows_of(request))
+            response = await send(timeout_s)
+            costs.observe(model, costs.timer() - started, rows)
             return response
         except InferGateError as e:
             self.judge(worker, model, version, e)
         finally:
             worker.inflight -= 1
+            if apart:
+                self._bounds.call_ended(worker, model)
             self._slot_freed(worker)
 
     async def open_stream(

@@ -17,7 +17,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.frontends.grpc_api import GrpcFrontend, add_grpc_services
-from gateway.types import InferRequest, InferResponse, Tensor
+from gateway.types import InferRequest, InferResponse, RelayCall, Tensor
 from protos import codec
 from protos.errors import InvalidArgument, ModelNotFound, Overloaded
 
@@ -35,6 +35,12 @@ class FakeCore:
         self.gate_open = asyncio.Event()
         self.loads: list[tuple[str, dict[str, service_pb2.ModelRepositoryParameter]]] = []
         self.unloads: list[tuple[str, bool]] = []
+
+    def relays(self, model: str, version: str = "") -> bool:
+        return False  # every call is read (the relay lane is the real core's: tests/integration/gateway/test_relay.py)
+
+    async def relay(self, call: RelayCall) -> bytes:
+        raise AssertionError("not relayed")
 
     async def infer(self, request: InferRequest) -> InferResponse:
         self.requests.append(request)
