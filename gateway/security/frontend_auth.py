@@ -182,7 +182,8 @@ def _check(store: KeyStore, access: Access, model_field: str | None, request: An
     if model_field is None:
         store.check(access, secret)
         return
-    model = getattr(request, model_field, "")
+    # ModelInfer arrives as its bytes and header (protos.wire: ReceivedInferRequest, RawInferRequest).
+    model = getattr(getattr(request, "header", request), model_field, "")
     # Statistics without a model name answer for every model.
     store.check(Access.MODEL if model else Access.ALL_MODELS, secret, model)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from tritonclient.grpc import service_pb2
 
 from gateway.config import load_config
 from gateway.security import api_keys as auth
@@ -28,9 +29,10 @@ from gateway.security.api_keys import (
     parse_key_line,
     parse_keys,
 )
-from gateway.security.frontend_auth import grpc_access, grpc_secret, http_access, http_auth_middleware, http_secret
+from gateway.security.frontend_auth import _check, grpc_access, grpc_secret, http_access, http_auth_middleware, http_secret
 from gateway.security.setup import GatewaySecurity, local_worker_token, worker_client_factory
 from gateway.settings import ConfigError, SecuritySettings, WorkerSpec
+from protos import wire
 from protos.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from workers.auth import TokenInterceptor, WorkerAuthError, WorkerSecurity
 
@@ -443,3 +445,15 @@ def test_worker_security_from_args(tmp_path: Path) -> None:
     ):
         with pytest.raises(WorkerAuthError):
             WorkerSecurity.from_args(bad)
+
+
+@pytest.mark.parametrize("size", [16, 2 * wire.SPLIT_MIN_BYTES])
+def test_a_model_infer_call_is_checked_against_its_model_as_received_small_or_large(size: int) -> None:
+    # ModelInfer arrives as its bytes and header (a large one with its tensors kept aside).
+    request = service_pb2.ModelInferRequest(model_name="secretmodel", raw_input_contents=[b"x" * size])
+    received = wire.receive_infer_request(request.SerializeToString())
+    keys = store()
+    _check(keys, Access.MODEL, "model_name", received, ONLY)  # its own model: allowed
+    request.model_name = "mlp"
+    with pytest.raises(PermissionDenied):
+        _check(keys, Access.MODEL, "model_name", wire.receive_infer_request(request.SerializeToString()), ONLY)
