@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Proc
+from tests.harness import Proc, worker_url
 
 WAIT_S = 20.0
 
@@ -165,3 +165,24 @@ def repeat_request(request_id: str, values: list[int], delay_ms: int, *, empty_f
         request.inputs.add(name=name, datatype="INT32" if name == "IN" else "UINT32", shape=list(array.shape))
         request.raw_input_contents.append(array.tobytes())
     return request
+
+
+@dataclass
+class GatewayCluster:
+    """Workers and a gateway in front of them, started by a test's fixture."""
+
+    workers: list[Proc]
+    gateway: Proc
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.gateway.ready['grpc_port']}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.gateway.ready['http_port']}"
+
+    def inflight(self, worker: Proc) -> float:
+        """What the gateway counts in flight on ``worker`` (its streams included)."""
+        return metric(self.http_url, "infergate_worker_inflight_batches", f'worker="{worker_url(worker)}"')
+

@@ -29,7 +29,7 @@ from google.protobuf import text_format
 from models.decoder import DecoderShape, build_tiny_lm, tiny_lm_config
 
 from tests.harness import Proc, start, start_together, start_worker, worker_url
-from tests.integration.gateway.stream_clients import metric, poll
+from tests.integration.gateway.stream_clients import GatewayCluster, metric, poll
 from tests.integration.workers.gen_client import Generation, GenStream
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,22 +39,8 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "été", "Hello, world", "
 
 
 @dataclass
-class Cluster:
-    workers: list[Proc]
-    gateway: Proc
-    model: str
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.gateway.ready['grpc_port']}"
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.gateway.ready['http_port']}"
-
-    def inflight(self, worker: Proc) -> float:
-        """The streams the gateway has open on ``worker``."""
-        return metric(self.http_url, "infergate_worker_inflight_batches", f'worker="{worker_url(worker)}"')
+class Cluster(GatewayCluster):
+    model: str = ""
 
 
 @contextmanager

@@ -15,35 +15,18 @@ import shutil
 import signal
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.harness import Proc, start, start_worker, worker_url
-from tests.integration.gateway.stream_clients import Stream, metric, poll, repeat_inputs
+from tests.integration.gateway.stream_clients import GatewayCluster, Stream, metric, poll, repeat_inputs
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@dataclass
-class Cluster:
-    workers: list[Proc]
-    gateway: Proc
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.gateway.ready['grpc_port']}"
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.gateway.ready['http_port']}"
-
-    def inflight(self, worker: Proc) -> float:
-        """What the gateway counts in flight on ``worker`` (its streams included)."""
-        return metric(self.http_url, "infergate_worker_inflight_batches", f'worker="{worker_url(worker)}"')
-
+class Cluster(GatewayCluster):
     def serving(self, model: str) -> int:
         with urllib.request.urlopen(f"http://{self.http_url}/metrics", timeout=10) as response:
             text = response.read().decode()
