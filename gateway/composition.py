@@ -250,7 +250,7 @@ def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> C
 def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool = False) -> Router:
     retry = config.retry
     # Streams of generative models go where their prompt's prefix went (gateway.routing.prefix).
-    chooser: ReplicaChooser = PrefixAffinity(LeastLoaded())
+    chooser: ReplicaChooser = PrefixAffinity(LeastLoaded()) if config.prefix_routing else LeastLoaded()
     if local_first:  # the replica in this process while it has a free slot
         chooser = LocalFirst(chooser)
     return Router(

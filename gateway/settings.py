@@ -406,6 +406,9 @@ class GatewayConfig:
     # (gateway/core/relay.py); "off": every call is read. `models.<name>.relay` sets one model's.
     # Off until the lane is faster than the full path under load (bench/results.md).
     relay: str = "off"
+    # Streams of generative models go where their prompt's prefix went, to meet the worker's
+    # prefix cache (gateway.routing.prefix); False: least loaded, as every other call.
+    prefix_routing: bool = True
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
     # Triton's --strict-readiness: ready only while every model the gateway is

@@ -35,6 +35,7 @@ from serverkit.nvml import Nvml
 from serverkit.prometheus import CONTENT_TYPE, MODEL_LABELS, ModelCounters, TritonCounter, render_text
 
 if TYPE_CHECKING:
+    from execution.backends.prefix_cache import PrefixStats
     from execution.manager import ModelManager
     from execution.model import LoadedModel
 
@@ -234,6 +235,7 @@ def _generation_metrics(models: list[LoadedModel], labels: list[str]) -> Iterato
                               labels=labels)
     reserved = GaugeMetricFamily("infergate_generation_cache_reserved_bytes",
                                  "KV cache reserved by admitted sequences (prompt + max_tokens), in bytes", labels=labels)
+    prefix = _PrefixFamilies(labels)
     found = False
     for model in models:
         samples = [stats() for stats in (getattr(i, "generation_stats", None) for i in model.instances) if stats is not None]
@@ -246,8 +248,46 @@ def _generation_metrics(models: list[LoadedModel], labels: list[str]) -> Iterato
         waiting.add_metric(key, sum(s.waiting for s in samples))
         cache.add_metric(key, sum(s.cache_bytes for s in samples))
         reserved.add_metric(key, sum(s.reserved_cache_bytes for s in samples))
+        prefix.add(key, [s.prefix for s in samples if s.prefix is not None])
     if found:
         yield from (tokens, running, waiting, cache, reserved)
+        yield from prefix.families()
+
+
+class _PrefixFamilies:
+    """The prefix caches' figures per model (those with one): tokens looked up and found (vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits``), requests with a hit, blocks and bytes cached,
+    blocks evicted."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.queries = CounterMetricFamily("infergate_generation_prefix_cache_queries",
+                                           "Prompt tokens looked up in the prefix cache", labels=labels)
+        self.hits = CounterMetricFamily("infergate_generation_prefix_cache_hits",
+                                        "Prompt tokens found in the prefix cache (not prefilled again)", labels=labels)
+        self.requests = CounterMetricFamily("infergate_generation_prefix_cache_hit_requests",
+                                            "Requests whose prompt opened with cached blocks", labels=labels)
+        self.evicted = CounterMetricFamily("infergate_generation_prefix_cache_evicted_blocks",
+                                           "Prefix cache blocks evicted to make room", labels=labels)
+        self.blocks = GaugeMetricFamily("infergate_generation_prefix_cache_blocks", "Prompt blocks cached now",
+                                        labels=labels)
+        self.bytes = GaugeMetricFamily("infergate_generation_prefix_cache_bytes",
+                                       "KV cache held by cached prompt blocks, in bytes", labels=labels)
+        self._any = False
+
+    def add(self, key: list[str], samples: list[PrefixStats]) -> None:
+        if not samples:
+            return
+        self._any = True
+        self.queries.add_metric(key, sum(s.queried_tokens for s in samples))
+        self.hits.add_metric(key, sum(s.hit_tokens for s in samples))
+        self.requests.add_metric(key, sum(s.hits for s in samples))
+        self.evicted.add_metric(key, sum(s.evicted_blocks for s in samples))
+        self.blocks.add_metric(key, sum(s.blocks for s in samples))
+        self.bytes.add_metric(key, sum(s.bytes for s in samples))
+
+    def families(self) -> Iterator[Metric]:
+        if self._any:
+            yield from (self.queries, self.hits, self.requests, self.evicted, self.blocks, self.bytes)
 
 
 # ---- the endpoint -------------------------------------------------------------------

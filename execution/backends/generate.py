@@ -33,7 +33,12 @@ prompt's.
 Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 ``max_cache_bytes`` (KV cache they may reserve, default 64 MiB),
 ``max_batch_sequences`` (sequences in one step; 1 = one at a time, for
-comparison; default all), ``max_positions`` (the model's context).
+comparison; default all), ``max_positions`` (the model's context),
+``enable_prefix_caching`` (default true) and ``prefix_block_tokens``
+(default 16): the instance's prefix cache (``execution.backends.prefix_cache``),
+whose blocks :meth:`DecoderStep.extract` copies out of a prefill's arrays
+and :class:`DecoderStep` feeds back as the past of a prompt that opens with
+them.
 
 A Hugging Face decoder as ``optimum`` exports it is served with no
 ``config.pbtxt`` (``execution.backends.hf_export``): its step has the
@@ -62,6 +67,7 @@ import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
 from execution.backends.own_session import own_session
+from execution.backends.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixMatch
 from execution.backends.base import BackendOptions, Placement, RequestContext, StreamEvent
 from execution.backends.generate_scheduler import (
     GenerationStats,
@@ -212,6 +218,13 @@ class DecoderStep:
             cache = row.cache
             if cache is None:
                 continue
+            if isinstance(cache, PrefixMatch):  # cached blocks: each [2 x layers, H, block, Dh]
+                if cache.tokens != row.position:
+                    raise ValueError(f"a row at position {row.position} has {cache.tokens} cached positions")
+                size = cache.block_tokens
+                for i, entries in enumerate(cache.entries):
+                    pasts[:, b, :, i * size:(i + 1) * size] = entries
+                continue
             if not isinstance(cache, RowCache):
                 raise TypeError(f"a row's cache is a {type(cache).__name__}, not this step's RowCache")
             real = np.flatnonzero(cache.step.mask[cache.index])  # its cached positions, in order
@@ -226,6 +239,18 @@ class DecoderStep:
             feeds["position_ids"] = positions
         feeds.update(zip(self._pasts, pasts))
         return self._step(feeds, mask, lengths - 1)
+
+    def extract(self, cache: object, start: int, stop: int) -> np.ndarray:
+        """A copy of positions ``start``..``stop`` of a row's cache, every layer's key and value:
+        [2 x layers, heads, stop - start, head_dim] (one prefix-cache block's entries)."""
+        if not isinstance(cache, RowCache):
+            raise TypeError(f"a row's cache is a {type(cache).__name__}, not this step's RowCache")
+        real = np.flatnonzero(cache.step.mask[cache.index])[start:stop]  # the row's positions, in order
+        if len(real) != stop - start:
+            raise ValueError(f"a row's cache holds {len(real)} of positions {start} to {stop}")
+        columns: slice | np.ndarray = slice(int(real[0]), int(real[-1]) + 1) \
+            if int(real[-1]) - int(real[0]) == stop - start - 1 else real
+        return np.stack([array[cache.index][:, columns] for array in cache.step.arrays])
 
     def _step(self, feeds: dict[str, np.ndarray], mask: np.ndarray,
               last: np.ndarray) -> list[tuple[np.ndarray, object]]:  # fmt: skip
@@ -323,6 +348,21 @@ def resume_ids(parameters: Mapping[str, object], vocabulary_size: int, end_ids: 
     return ids
 
 
+def prefix_cache(config: mc.ModelConfig, bytes_per_token: int) -> PrefixCache | None:
+    """The instance's prefix cache from the config's ``enable_prefix_caching`` (default true) and
+    ``prefix_block_tokens`` (default 16); None when it is turned off."""
+    param = config.parameters.get("enable_prefix_caching")
+    value = param.string_value.strip().lower() if param is not None else ""
+    if value not in ("", "true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise InvalidArgument(f"model '{config.name}': parameter enable_prefix_caching must be true or false")
+    if value in ("false", "0", "no", "off"):
+        return None
+    block = int_parameter(config, "prefix_block_tokens", DEFAULT_BLOCK_TOKENS)
+    if block < 1:
+        raise InvalidArgument(f"model '{config.name}': parameter prefix_block_tokens must be at least 1")
+    return PrefixCache(block, block * bytes_per_token)
+
+
 class GenerateInstance:
     """One decoder session and the scheduler that batches every request sent to it."""
 
@@ -349,7 +389,8 @@ class GenerateInstance:
         # The byte vocabulary never generates its BOS or padding; a tokenizer's model may say what it likes.
         banned = [] if vocabulary is not None else \
             [t for t in (bos, int_parameter(config, "pad_token_id", -1)) if t >= 0]
-        self.scheduler = Scheduler(config.name, limits, step, self._offload, eos_id=eos, banned=banned)
+        self.scheduler = Scheduler(config.name, limits, step, self._offload, eos_id=eos, banned=banned,
+                                   prefix=prefix_cache(config, step.cache_bytes_per_token))
 
     async def _offload(self, call: Callable[[], list[tuple[np.ndarray, object]]]) -> list[tuple[np.ndarray, object]]:
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)

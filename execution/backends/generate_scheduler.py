@@ -39,6 +39,13 @@ a token whose text is held (part of a character, or maybe the start of a
 stop string) is named with the response that sends it, so the ids a client
 has received are exactly those of the text it has.
 
+With a prefix cache (``execution.backends.prefix_cache``; the step is then
+a :class:`CachingStep`), a joiner's prefill starts after the cached blocks its
+prompt opens with (the row's past is their entries), and the full blocks it
+computed are stored after it ran. The blocks share ``max_cache_bytes`` with
+the sequences' reservations: admitting a sequence evicts unused blocks before
+refusing it, and a block is stored only where it fits beside them.
+
 A generation continues where another left off (its worker was lost) when it
 is admitted with ``resume``: the ids already sent. They are prefilled after
 the prompt, count toward ``max_tokens`` and ``completion_tokens``, and go
@@ -62,6 +69,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from execution.backends.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch, PrefixStats
 from protos.errors import InferGateError, Internal, InvalidArgument, Overloaded, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -136,7 +144,17 @@ class StepRow:
 
 class StepFunction(Protocol):
     def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
-        """Each row's logits after its last new token ([V]) and its cache grown by its new tokens."""
+        """Each row's logits after its last new token ([V]) and its cache grown by its new tokens.
+        A row's ``cache`` is the cache a step returned for it, None (no past), or a
+        :class:`~execution.backends.prefix_cache.PrefixMatch` (its past: the entries of cached blocks)."""
+        ...
+
+
+class CachingStep(StepFunction, Protocol):
+    """A step whose caches a prefix cache can keep blocks of."""
+
+    def extract(self, cache: object, start: int, stop: int) -> object:
+        """A copy of positions ``start``..``stop`` of a row's cache (one block's entries)."""
         ...
 
 
@@ -161,6 +179,7 @@ class GenerationStats:
     reserved_cache_bytes: int
     tokens_generated: int
     steps: int
+    prefix: PrefixStats | None = None  # the prefix cache's figures; None without one
 
 
 @dataclass(eq=False, slots=True)
@@ -184,6 +203,7 @@ class GenSequence:
         default_factory=collections.deque)
     sent_bytes: int = 0
     unnamed: list[int] = field(default_factory=list)  # tokens whose text went out with no response yet
+    prefix: PrefixMatch = NO_MATCH  # the cached blocks its prefill starts after (held until it ran)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
@@ -237,8 +257,11 @@ class Scheduler:
     """One instance's running batch: admission, the step loop, token choice and finishing."""
 
     def __init__(self, model: str, limits: SchedulerLimits, step: StepFunction, offload: Offload[list[tuple[np.ndarray, object]]],
-                 *, eos_id: int | Sequence[int], banned: Sequence[int] = ()) -> None:  # fmt: skip
+                 *, eos_id: int | Sequence[int], banned: Sequence[int] = (),
+                 prefix: PrefixCache | None = None) -> None:  # fmt: skip
+        """``prefix``: the instance's prefix cache (``step`` must then be a :class:`CachingStep`); None: off."""
         self.model = model
+        self._prefix = prefix
         self.limits = limits
         self._step = step
         self._offload = offload
@@ -286,7 +309,10 @@ class Scheduler:
         if reserved > limits.max_cache_bytes:
             raise InvalidArgument(f"prompt and max_tokens need more cache than model '{self.model}' has")
         admitted = len(self._waiting) + len(self._running)
-        if admitted >= limits.max_sequences or self._reserved + reserved > limits.max_cache_bytes:
+        if self._prefix is not None and admitted < limits.max_sequences:
+            # Cached blocks give way to a sequence: evicted (unused ones, oldest first) before it is refused.
+            self._prefix.free_bytes(self._reserved + reserved + self._prefix.bytes - limits.max_cache_bytes)
+        if admitted >= limits.max_sequences or self._reserved + reserved + self._cached_bytes() > limits.max_cache_bytes:
             raise Overloaded(f"model '{self.model}' is at capacity ({admitted} sequences); retry later")
         sequence = GenSequence(prompt, params, emit, cancelled, token_text, reserved, capacity)  # type: ignore[arg-type]
         if resume:
@@ -318,9 +344,13 @@ class Scheduler:
                       completion_tokens=len(resume)))
         return True
 
+    def _cached_bytes(self) -> int:
+        return self._prefix.bytes if self._prefix is not None else 0
+
     def stats(self) -> GenerationStats:
         held = sum(s.length for s in self._running) * self.limits.cache_bytes_per_token
-        return GenerationStats(len(self._running), len(self._waiting), held, self._reserved, self._tokens, self._steps)
+        return GenerationStats(len(self._running), len(self._waiting), held, self._reserved, self._tokens, self._steps,
+                               self._prefix.stats() if self._prefix is not None else None)
 
     # --- the loop --------------------------------------------------------------------
 
@@ -338,14 +368,42 @@ class Scheduler:
         while self._waiting and len(self._running) + len(joining) < self._batch:
             joining.append(self._waiting.popleft())
         if joining:
-            rows = [StepRow([*s.prompt, *s.resumed] if s.resumed else s.prompt, 0, None) for s in joining]
+            rows = [self._prefill_row(s) for s in joining]
             self._running.extend(joining)  # counted as running (and held) from their prefill on
-            await self._run_step(joining, rows)
+            try:
+                await self._run_step(joining, rows, prefill=True)
+            finally:
+                for sequence in joining:
+                    if self._prefix is not None:
+                        self._prefix.release(sequence.prefix)
+                    sequence.prefix = NO_MATCH
         decoding = [s for s in self._running if s not in joining]
         if decoding:
             await self._run_step(decoding, [StepRow([s.last_token], s.length, s.cache) for s in decoding])
 
-    async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow]) -> None:
+    @staticmethod
+    def _prefill_tokens(sequence: GenSequence) -> list[int]:
+        return [*sequence.prompt, *sequence.resumed] if sequence.resumed else sequence.prompt
+
+    def _prefill_row(self, sequence: GenSequence) -> StepRow:
+        """A joiner's prefill: its prompt (and resumed tokens) after the blocks of it already cached."""
+        tokens = self._prefill_tokens(sequence)
+        if self._prefix is None:
+            return StepRow(tokens, 0, None)
+        sequence.prefix = match = self._prefix.match(tokens)
+        return StepRow(tokens[match.tokens:], match.tokens, match if match.blocks else None)
+
+    def _store_prefix(self, sequence: GenSequence, cache: object) -> None:
+        """Cache the full blocks of a prefill just run that were not cached yet."""
+        prefix, step = self._prefix, self._step
+        if prefix is None:
+            return
+        limit = self.limits.max_cache_bytes
+        prefix.store(self._prefill_tokens(sequence), sequence.prefix,
+                     lambda start, stop: step.extract(cache, start, stop),  # type: ignore[attr-defined]
+                     lambda size: self._reserved + prefix.bytes + size <= limit)
+
+    async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow], *, prefill: bool = False) -> None:
         step = self._step
         try:
             results = await self._offload(lambda: step(rows))
@@ -363,6 +421,8 @@ class Scheduler:
                 self._finish(sequence, None)
                 continue
             sequence.cache, sequence.length = cache, row.position + len(row.tokens)
+            if prefill:
+                self._store_prefix(sequence, cache)
             self._advance(sequence, logits)
 
     def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:

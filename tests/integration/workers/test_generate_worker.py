@@ -163,3 +163,19 @@ def test_cancel_frees_the_sequence(worker: Proc) -> None:
     assert metric(worker, "infergate_generation_cache_reserved_bytes") == 0
     assert metric(worker, "infergate_generation_tokens_total") > 0
     assert generation.finish_reason == ""  # ended by the cancel, never by a final response
+
+
+def test_a_prompt_opening_like_one_served_before_reuses_its_cached_blocks(worker: Proc, stream: GenStream) -> None:
+    system = "You are the assistant of a shop that sells only kites; answer in one short line. " * 3  # 246 bytes
+    before = {f: metric(worker, f"infergate_generation_prefix_cache_{f}") for f in ("hits_total", "queries_total")}
+    first = stream.generate("tiny_lm", "prefix-1", system + "Q: do you sell kites?", max_tokens=12)
+    again = stream.generate("tiny_lm", "prefix-2", system + "Q: do you sell kites?", max_tokens=12)
+    other = stream.generate("tiny_lm", "prefix-3", system + "Q: and string?", max_tokens=12)
+    assert first.error is None and again.tokens == first.tokens  # the cached blocks give the same generation
+    assert other.error is None and other.prompt_tokens == 1 + len(system) + len("Q: and string?")
+    hits = metric(worker, "infergate_generation_prefix_cache_hits_total") - before["hits_total"]
+    queries = metric(worker, "infergate_generation_prefix_cache_queries_total") - before["queries_total"]
+    assert queries == first.prompt_tokens * 2 + other.prompt_tokens
+    # The second: every whole block but the one its last token is in; the third: the system prompt's whole blocks.
+    assert hits == (first.prompt_tokens - 1) // 16 * 16 + (1 + len(system)) // 16 * 16
+    assert metric(worker, "infergate_generation_prefix_cache_blocks") >= (first.prompt_tokens - 1) // 16

@@ -26,6 +26,7 @@ from workers.metrics import (
     render_text,
 )
 from execution.backends.generate_scheduler import GenerationStats
+from execution.backends.prefix_cache import PrefixStats
 from execution.stats import ExecutionTiming, ModelStats
 
 
@@ -91,8 +92,10 @@ def test_worker_model_families_read_live_statistics() -> None:
 
 def test_generation_families_sum_a_model_s_schedulers() -> None:
     def instance(running: int, waiting: int) -> SimpleNamespace:
+        prefix = PrefixStats(queried_tokens=50 * running, hit_tokens=32 * running, queries=2, hits=running,
+                             blocks=running, bytes=1024 * running, evicted_blocks=1)
         stats = GenerationStats(running, waiting, cache_bytes=100 * running, reserved_cache_bytes=300 * running,
-                                tokens_generated=7, steps=3)
+                                tokens_generated=7, steps=3, prefix=prefix)
         return SimpleNamespace(generation_stats=lambda: stats)
 
     manager = SimpleNamespace(loaded=lambda: [loaded("tiny_lm", 1, instances=(instance(3, 1), instance(2, 0))),
@@ -104,6 +107,12 @@ def test_generation_families_sum_a_model_s_schedulers() -> None:
     assert samples[("infergate_generation_sequences_waiting", m)] == 1
     assert samples[("infergate_generation_cache_bytes", m)] == 500
     assert samples[("infergate_generation_cache_reserved_bytes", m)] == 1500
+    assert samples[("infergate_generation_prefix_cache_queries_total", m)] == 250
+    assert samples[("infergate_generation_prefix_cache_hits_total", m)] == 160
+    assert samples[("infergate_generation_prefix_cache_hit_requests_total", m)] == 5
+    assert samples[("infergate_generation_prefix_cache_evicted_blocks_total", m)] == 2
+    assert samples[("infergate_generation_prefix_cache_blocks", m)] == 5
+    assert samples[("infergate_generation_prefix_cache_bytes", m)] == 5 * 1024
     assert ("infergate_generation_tokens_total", frozenset({("model", "mlp"), ("version", "1")})) not in samples
 
 
