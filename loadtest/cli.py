@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="generative model: time to first token, inter-token latency, output tokens/s")
     gen.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length in tokens (bytes)")
     gen.add_argument("--output-tokens", type=int, default=64, metavar="M", help="tokens generated per request")
+    gen.add_argument("--num-prefix-prompts", type=int, default=0, metavar="K",
+                     help="prompts open with one of K shared openings (system prompts), chosen at random")
+    gen.add_argument("--prefix-prompt-length", type=int, default=0, metavar="P",
+                     help="length of each shared opening in tokens (bytes), before the prompt's own --prompt-tokens")
 
     measure = parser.add_argument_group("measurement")
     measure.add_argument("-p", "--measurement-interval", type=int, default=5000, metavar="MS",
@@ -134,7 +138,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         headers=tuple(parse_header(h) for h in args.headers),
         processes=args.processes, max_outstanding=args.max_outstanding, progress=progress,
         streaming=args.streaming, generate=args.generate, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
+        output_tokens=args.output_tokens, prefix_prompts=args.num_prefix_prompts,
+        prefix_tokens=args.prefix_prompt_length,
     )  # fmt: skip
 
 
@@ -186,7 +191,8 @@ def _run_generate(config: BenchConfig, args: argparse.Namespace) -> int:
     if args.plot:
         raise BenchError("--plot is not available with --generate; use --csv or --json")
     print(f"bench {config.model} at {config.url} over {config.protocol.value}, generating "
-          f"{config.output_tokens} tokens after {config.prompt_tokens}, "
+          f"{config.output_tokens} tokens after {config.prompt_tokens}"
+          f"{f' (after one of {config.prefix_prompts} shared openings of {config.prefix_tokens})' if config.prefix_prompts else ''}, "
           f"streams {', '.join(str(c) for c in config.concurrency)}", file=sys.stderr)
     result = run_stream_bench(config, client_factory=make_gen_client, payloads=gen_requests(config))
     print(format_gen_table(result))

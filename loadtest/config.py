@@ -178,6 +178,10 @@ class BenchConfig:
     generate: bool = False
     prompt_tokens: int = 64
     output_tokens: int = 64
+    # Shared openings (genai-perf's --num-prefix-prompts / --prefix-prompt-length): each prompt
+    # opens with one of ``prefix_prompts`` seeded openings of ``prefix_tokens`` bytes, before its own.
+    prefix_prompts: int = 0
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept plain strings from Python callers; store the enums.
@@ -227,6 +231,8 @@ class BenchConfig:
             raise BenchError("-i openai measures generation: add --generate")
         if self.generate and (self.prompt_tokens < 1 or self.output_tokens < 1):
             raise BenchError("--prompt-tokens and --output-tokens must be >= 1")
+        if self.prefix_prompts < 0 or self.prefix_tokens < 0 or (self.prefix_prompts > 0) != (self.prefix_tokens > 0):
+            raise BenchError("--num-prefix-prompts and --prefix-prompt-length go together, both >= 1")
         if self.streaming and self.processes > 1:
             raise BenchError("--streaming runs in one client process: drop --processes")
         host, sep, port = self.url.rpartition(":")

@@ -69,9 +69,17 @@ class GenRequest:
 
 
 def gen_requests(config: BenchConfig, count: int = PROMPTS) -> list[GenRequest]:
-    """``count`` distinct prompts of ``config.prompt_tokens`` bytes (seeded), each asking ``output_tokens``."""
+    """``count`` distinct prompts of ``config.prompt_tokens`` bytes (seeded), each asking ``output_tokens``;
+    with ``prefix_prompts``, each opens with one of that many shared openings of ``prefix_tokens`` bytes
+    (chosen at random, seeded), which differ from their first byte on."""
     rng = random.Random(config.seed)
-    return [GenRequest(bytes(rng.choice(_ALPHABET) for _ in range(config.prompt_tokens)), config.output_tokens)
+
+    def text(size: int) -> bytes:
+        return bytes(rng.choice(_ALPHABET) for _ in range(size))
+
+    openings = [(f"{k}:".encode() + text(config.prefix_tokens))[:config.prefix_tokens]
+                for k in range(config.prefix_prompts)]
+    return [GenRequest((rng.choice(openings) if openings else b"") + text(config.prompt_tokens), config.output_tokens)
             for _ in range(count)]
 
 

@@ -17,7 +17,10 @@ stopped by it. Sections on this repository:
   responses through the gateway vs straight to the worker, 1 and 16 streams;
 - ``generation``: the example decoder's output tokens/s, time to first token
   and inter-token latency: continuous batching vs one sequence at a time on
-  one worker, and 1 vs 2 workers.
+  one worker, and 1 vs 2 workers;
+- ``prefix``: the worker's prefix cache (time to first token of a prompt
+  whose opening was served before vs cold) and prefix-aware against
+  least-loaded routing over two workers.
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -51,6 +54,7 @@ from loadtest.suite_scale import run_scale, run_sim_check
 from loadtest.suite_sections import run_batching, run_overhead
 from loadtest.suite_streaming import run_streaming
 from loadtest.suite_generate import run_generation
+from loadtest.suite_prefix import run_prefix
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "parallel_large": run_parallel_large,
     "streaming": run_streaming,
     "generation": run_generation,
+    "prefix": run_prefix,
 }
 
 

@@ -17,8 +17,14 @@ default least loaded) for every other call:
 - a bounded LRU maps (model, key) to the worker address that served it;
   that worker takes the prompt while it has a free generation slot;
 - otherwise (a new prefix, its worker full, gone or already tried by this
-  call) the candidate with the most free slots takes it, the wrapped
-  policy choosing among equals, and the LRU remembers it.
+  call) the candidate with the most free slots takes it, and the LRU
+  remembers it. While the load is balanced (the candidates' free slots
+  within :data:`BALANCE_SLACK` of each other, or the least free with at
+  least half the most free's), the one with
+  the fewest prefixes routed to it takes it instead (SGLang's cache-aware
+  router gives a new prefix to the worker with the smallest cache tree), so
+  the prefixes, and the caches they fill, are split evenly rather than by
+  the load of the moment; the wrapped policy chooses among equals.
 
 Free generation slots: the model's ``max_sequences`` config parameter (the
 worker's own bound, default :data:`DEFAULT_MAX_SEQUENCES` as the worker's)
@@ -36,7 +42,7 @@ import contextvars
 import hashlib
 import logging
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence, Set
 from contextlib import aclosing
 
@@ -57,6 +63,9 @@ MESSAGES_INPUT = "messages"  # a chat: its messages' JSON opens with the system 
 DEFAULT_PREFIX_BYTES = 64
 DEFAULT_ROUTES = 4096  # prefixes remembered (LRU)
 DEFAULT_MAX_SEQUENCES = 32  # the worker's default for a model without the parameter
+# Balanced load (new prefixes then go by fewest routed): the candidates' free slots at most this far
+# apart, or the least free still has half the most free's.
+BALANCE_SLACK = 2
 
 # (model, prefix key) of the streamed call being routed now; None outside one.
 _CURRENT: contextvars.ContextVar[tuple[str, bytes] | None] = contextvars.ContextVar("prefix_key", default=None)
@@ -110,6 +119,7 @@ class PrefixAffinity:
             raise ValueError("routes must be >= 1")
         self.inner = inner  # the rule for every other call, and among equals
         self._routes: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._routed: Counter[tuple[str, str]] = Counter()  # (model, address) -> prefixes routed there
         self._capacity = routes
         self.hits = 0  # prompts sent where their prefix went before
         self.misses = 0  # new prefixes, or their worker full or gone
@@ -139,6 +149,12 @@ class PrefixAffinity:
         self.misses += 1
         pool = [w for w in candidates if w not in avoid] or candidates  # tried ones only when none else is left
         most = max(free[w] or 0 for w in pool)
+        least = min(free[w] or 0 for w in pool)
+        if most > 0 and (most - least <= BALANCE_SLACK or 2 * least >= most):  # balanced load
+            open_ = [w for w in pool if (free[w] or 0) > 0]
+            fewest = min(self._routed[(model, w.address)] for w in open_)
+            pool = [w for w in open_ if self._routed[(model, w.address)] == fewest]
+            most = max(free[w] or 0 for w in pool)
         best = [w for w in pool if free[w] == most]
         chosen = best[0] if len(best) == 1 else self.inner.choose(model, version, best, avoid, bounds)
         if chosen is not None:
@@ -146,10 +162,20 @@ class PrefixAffinity:
         return chosen
 
     def _remember(self, key: tuple[str, bytes], address: str) -> None:
+        before = self._routes.get(key)
+        if before is not None:
+            self._forget(key[0], before)
         self._routes[key] = address
+        self._routed[(key[0], address)] += 1
         self._routes.move_to_end(key)
         while len(self._routes) > self._capacity:
-            self._routes.popitem(last=False)
+            (model, _), gone = self._routes.popitem(last=False)
+            self._forget(model, gone)
+
+    def _forget(self, model: str, address: str) -> None:
+        self._routed[(model, address)] -= 1
+        if self._routed[(model, address)] <= 0:
+            del self._routed[(model, address)]
 
 
 def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None:

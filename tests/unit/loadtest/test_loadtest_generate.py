@@ -43,6 +43,16 @@ def test_requests_are_seeded_prompts_of_the_asked_length() -> None:
     assert all(r.prompt.decode().isascii() for r in reqs)
 
 
+def test_shared_openings_precede_each_prompt_s_own_tokens() -> None:
+    reqs = gen_requests(config(prompt_tokens=10, output_tokens=5, prefix_prompts=3, prefix_tokens=40, seed=1), count=30)
+    assert {len(r.prompt) for r in reqs} == {50}
+    openings = {r.prompt[:40] for r in reqs}
+    assert len(openings) == 3 and len({o[:2] for o in openings}) == 3  # they differ from the first byte on
+    assert len({r.prompt[40:] for r in reqs}) == 30
+    with pytest.raises(BenchError, match="--num-prefix-prompts and --prefix-prompt-length go together"):
+        config(prefix_prompts=2)
+
+
 def test_wire_forms_carry_prompt_length_and_ignore_eos() -> None:
     req = GenRequest(b"hello", 7)
     pb = service_pb2.ModelInferRequest.FromString(grpc_gen_request("lm", "", req))
@@ -162,3 +172,37 @@ def test_the_suite_section_compares_with_one_sequence_at_a_time(tmp_path: Any) -
                      ("1 worker straight, one at a time", 16): level(12)})
     assert [r["vs_serial"] for r in rows] == [4.0, 1.0, None, 5.0, 1.0]  # each path against its own one-at-a-time
     assert rows[0]["output_tokens_per_s"] == 40.0 and rows[0]["requests_per_s"] == 1.0
+
+
+def test_the_prefix_section_s_models_and_rows(tmp_path: Any) -> None:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from loadtest import suite_prefix as sp
+
+    source = tmp_path / "src"
+    (source / "tiny_lm" / "1").mkdir(parents=True)
+    (source / "tiny_lm" / "config.pbtxt").write_text('name: "tiny_lm"\nbackend: "generate"\n')
+    repo = sp.write_repository(source, tmp_path / "repo")
+
+    def parameters(name: str) -> dict[str, str]:
+        config = text_format.Parse((repo / name / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert config.name == name
+        return {k: v.string_value for k, v in config.parameters.items()}
+
+    assert parameters(sp.COLD)["enable_prefix_caching"] == "false" and "enable_prefix_caching" not in parameters(sp.MODEL)
+    assert parameters(sp.TINY_COLD)["enable_prefix_caching"] == "false"
+    # A fleet worker's cache: its share of the running sequences and about half the openings, not all of them.
+    per_token = 2 * 4 * 256 * 4
+    cached = int(parameters(sp.FLEET)["max_cache_bytes"]) - sp.FLEET_RUNNING * 279 * per_token
+    assert sp.OPENINGS / 2 <= cached / (sp.OPENING_TOKENS * per_token) < sp.OPENINGS * 0.6
+    assert (repo / sp.MODEL / "1" / "model.onnx").stat().st_size > 1_000_000
+
+    def level(first_s: float) -> Any:
+        window = StreamWindow(duration_s=1.0)
+        window.add(StreamRecord(sent_s=0.0, arrivals_s=[first_s, first_s + 0.01], done_s=0.5))
+        return stream_level_result(1, window, stable=True, windows=1)
+
+    row = sp.prefix_row("cache", "warm", level(0.01), level(0.04), 0.9)
+    assert row["ttft_ratio"] == pytest.approx(0.25) and row["hit_rate"] == 0.9
+    assert sp.prefix_row("cache", "cold", level(0.04), None, None)["ttft_ratio"] is None

@@ -6,6 +6,7 @@ composition root uses it only where the gateway runs models itself."""
 from __future__ import annotations
 
 from gateway.composition import build_router
+from gateway.config import load_config
 from gateway.fleet.cluster import Cluster, WorkerState
 from gateway.replicas.local import LOCAL_SPEC
 from gateway.routing.capacity import InflightBounds
@@ -44,3 +45,12 @@ def test_the_composition_root_puts_local_first_only_with_a_local_replica() -> No
     finally:
         plain.close()
         local.close()
+
+
+def test_prefix_routing_false_leaves_streams_least_loaded() -> None:
+    cluster = Cluster([WorkerSpec("a:1")])
+    router = build_router(load_config(prefix_routing=False), cluster)
+    try:
+        assert isinstance(router.chooser, LeastLoaded)
+    finally:
+        router.close()

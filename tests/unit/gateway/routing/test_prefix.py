@@ -16,7 +16,7 @@ from gateway.fleet.view import WorkerModel
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import LeastLoaded
 from gateway.routing.outlier import OutlierDetector
-from gateway.routing.prefix import _CURRENT, PrefixAffinity, generation_slots, prompt_key
+from gateway.routing.prefix import BALANCE_SLACK, _CURRENT, PrefixAffinity, generation_slots, prompt_key
 from gateway.settings import OutlierSettings, WorkerSpec
 
 MODEL = "lm"
@@ -181,3 +181,17 @@ def test_other_models_calls_do_not_use_up_a_generative_models_streams() -> None:
         assert chooser.choose(MODEL, "", [b, a], set(), real) is a  # a: 2 free; b: 1
     finally:
         _CURRENT.reset(token)
+
+
+def test_under_balanced_load_new_prefixes_go_to_the_worker_with_fewest() -> None:
+    a, b = worker("a:1", max_sequences=8), worker("b:1", max_sequences=8)
+    a.inflight = 1  # b is a little idler, within the slack: the prefixes' count decides
+    chooser = PrefixAffinity(First())
+    assert choose(chooser, b"opening zero", [a, b]) is b
+    assert choose(chooser, b"opening one", [a, b]) is a  # the old rule (most free) would say b again
+    assert choose(chooser, b"opening two", [a, b]) is b  # one each: the freer
+    assert choose(chooser, b"opening one", [a, b]) is a  # and each keeps its own
+    a.inflight = 4  # 4 free against 8: still balanced (half of the most free)
+    assert choose(chooser, b"opening three", [a, b]) is a
+    a.inflight = 8 - BALANCE_SLACK  # 2 free against 8: not balanced, the freer takes it, however many it has
+    assert choose(chooser, b"opening four", [a, b]) is b
