@@ -4,7 +4,7 @@
 ``infergate serve``, driven by the ``openai`` client and checked against
 ``transformers`` running the same weights in torch:
 
-- greedy completions of prompts of different lengths, all at once (one
+- greedy completions of 16 prompts of different lengths, all at once (one
   running batch), streamed and not, are token for token what ``generate``
   makes, and the streamed chunks join to ``tokenizer.decode`` of its ids;
 - a chat is the model's own template as ``apply_chat_template(...,
@@ -43,6 +43,16 @@ PROMPTS = [
     "Once upon a time there was a little gateway that",
     "A",
     "tokens and text: 日本語, and then a few more words to make this prompt the longest of them all",
+    "Streams",
+    "What is the capital of France?",
+    "def main():\n    return 42",
+    "1, 2, 3, 4, 5, 6, 7,",
+    "The gateway batches requests and",
+    "naïve café",
+    "A much longer prompt: the quick brown fox jumps over the lazy dog, again and again, until the dog",
+    "Why?",
+    "The gateway batches",
+    "ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok",
 ]
 MAX_TOKENS = 24
 CHAT = [
