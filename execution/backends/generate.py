@@ -470,6 +470,10 @@ class GenerateBackend:
         filename = config.default_model_filename or DEFAULT_MODEL_FILENAME
         if not (version_dir / filename).is_file():
             raise InvalidArgument(f"model '{config.name}': no {filename} in version directory {version_dir.name}")
+        # The sequences an instance runs at once, stated: a gateway bounds the streams it sends by them
+        # (gateway.routing.capacity), not by the one instance.
+        if not config.parameters["max_sequences"].string_value:
+            config.parameters["max_sequences"].string_value = str(DEFAULT_MAX_SEQUENCES)
         return config
 
     def load(self, model_dir: Path, version_dir: Path, config: mc.ModelConfig, placement: Placement) -> GenerateInstance:

@@ -115,7 +115,9 @@ def check_survives(cluster: Cluster, count: int, max_tokens: int) -> None:
         try:
             victim = max(cluster.workers, key=cluster.inflight)
             open_on_victim = cluster.inflight(victim)
-            assert open_on_victim >= 1 and not any(g.done.is_set() for g in generations)
+            # Streams that ended before the freeze (a loaded machine starts some late) are checked as the
+            # others are; every stream still open on the victim has begun, so each is resumed.
+            assert open_on_victim >= 1, [(len(g.tokens), g.done.is_set(), g.error) for g in generations]
             victim.kill()
             killed = victim
         finally:
@@ -142,3 +144,24 @@ def test_greedy_streams_whose_worker_is_killed_go_on_on_the_other_unchanged(clus
 def test_sixteen_long_streams_survive_their_worker(cluster: Cluster) -> None:
     check_survives(cluster, count=16, max_tokens=480)
 
+
+
+@pytest.fixture
+def llama_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A Llama as optimum exports it (its own tokenizer, text by incremental decode), wide enough that a
+    generation lasts beside what it takes to freeze its worker."""
+    for package in ("torch", "transformers", "optimum.exporters.onnx"):
+        pytest.importorskip(package)
+    from tests.fixtures.hf_decoders import build_source, export
+
+    repo = tmp_path / "models"
+    export(build_source(tmp_path / "source", hidden=256, layers=4), repo / "llama" / "1")
+    with two_workers(repo, "llama", tmp_path) as found:
+        yield found
+
+
+@pytest.mark.slow
+def test_an_exported_llama_s_streams_survive_their_worker_too(llama_cluster: Cluster) -> None:
+    # Its tokens are a real tokenizer's (several bytes, characters held across tokens): the resumed text
+    # still joins to the uninterrupted one byte for byte.
+    check_survives(llama_cluster, count=8, max_tokens=400)

@@ -174,6 +174,7 @@ def test_the_export_is_served_with_no_config_as_a_decoupled_generation_model(
     assert config["model_transaction_policy"]["decoupled"] is True
     assert {"text_input", "messages"} <= {i["name"] for i in config["input"]}
     assert config["parameters"]["max_positions"]["string_value"] == "512"  # config.json's max_position_embeddings
+    assert config["parameters"]["max_sequences"]["string_value"] == "32"  # stated: a gateway bounds streams by it
     stops = requests.get(f"{base}/v2/models/llama_stops/config", timeout=10).json()
     assert (stops["backend"], stops["parameters"]["max_sequences"]["string_value"]) == ("generate", "8")
     assert [m.id for m in _client(proc).models.list().data if m.id.startswith("llama")] == ["llama", "llama_stops"]
