@@ -29,9 +29,9 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.openai_stream import OpenAIStreamClient, StreamTiming  # noqa: E402
 from tests.fixtures.hf_decoders import build_source  # noqa: E402
+from tests.fixtures.hf_serve import is_ready, transformers_serve  # noqa: E402
 from tests.harness import start  # noqa: E402
 from tests.integration.gateway.stream_clients import poll  # noqa: E402
-from tests.integration.gateway.test_openai_backends_hf import _ready, transformers_serve  # noqa: E402
 
 
 async def _round(url: str, concurrency: int, max_tokens: int) -> list[StreamTiming]:
@@ -54,7 +54,7 @@ def main() -> None:
     served = transformers_serve(source, tmp / "serve.log")
     gateway = None
     try:
-        poll(lambda: _ready(served), "transformers serve ready", timeout_s=120.0)
+        poll(lambda: is_ready(served), "transformers serve ready", timeout_s=120.0)
         config = tmp / "gateway.yaml"
         config.write_text(json.dumps({"workers": [{"address": f"openai://{served.address}", "models": ["llama"]}]}))
         gateway = start(["gateway", "--config", str(config), "--http-port", "0", "--grpc-port", "0",

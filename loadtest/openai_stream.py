@@ -5,7 +5,9 @@ completion) at a time per call over ``/v1`` and times it as genai-perf does:
 time to first token (the first chunk with text, from the send), inter-token
 latency (from the first to the last text chunk, over the tokens after the
 first) and the output tokens the server reports (``stream_options``
-``include_usage``; the text chunks when it reports none). Errors are values
+``include_usage``; the text chunks when it reports none), with the text
+chunks' own count and mean gap beside them (a server that streams words,
+not tokens, is read by those). Errors are values
 (``HTTP 429``, ``timeout``, ``connection``, ``stream error``), as in
 ``loadtest.clients``, so one failed request never stops a level.
 
@@ -39,6 +41,9 @@ class StreamTiming:
     itl_s: float | None = None   # mean gap between tokens after the first; None below two tokens
     output_tokens: int = 0
     total_s: float = 0.0
+    chunks: int = 0                    # chunks with text
+    usage_tokens: int | None = None    # the server's count; None when it reported none
+    chunk_gap_s: float | None = None   # mean gap between text chunks; None below two chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +92,11 @@ def timing(sent: float, text_times: list[float], usage_tokens: int | None, ended
     """The timing of a request sent at ``sent`` whose text chunks came at ``text_times``."""
     tokens = usage_tokens if usage_tokens is not None else len(text_times)
     if not text_times:
-        return StreamTiming(None, None, None, tokens, ended - sent)
-    itl = (text_times[-1] - text_times[0]) / (tokens - 1) if tokens > 1 else None
-    return StreamTiming(None, text_times[0] - sent, itl, tokens, ended - sent)
+        return StreamTiming(None, None, None, tokens, ended - sent, usage_tokens=usage_tokens)
+    span = text_times[-1] - text_times[0]
+    itl = span / (tokens - 1) if tokens > 1 else None
+    gap = span / (len(text_times) - 1) if len(text_times) > 1 else None
+    return StreamTiming(None, text_times[0] - sent, itl, tokens, ended - sent, len(text_times), usage_tokens, gap)
 
 
 class OpenAIStreamClient:

@@ -20,7 +20,11 @@ stopped by it. Sections on this repository:
   one worker, and 1 vs 2 workers;
 - ``prefix``: the worker's prefix cache (time to first token of a prompt
   whose opening was served before vs cold) and prefix-aware against
-  least-loaded routing over two workers.
+  least-loaded routing over two workers;
+- ``openai_servers``: a gateway in front of ``transformers serve`` against
+  it direct, and infergate's worker on the same model's optimum export
+  against it (time to first token, chunk gap, output tokens/s; 1 and 16
+  streams; needs ``transformers[serving]`` and ``optimum-onnx``).
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -55,6 +59,7 @@ from loadtest.suite_sections import run_batching, run_overhead
 from loadtest.suite_streaming import run_streaming
 from loadtest.suite_generate import run_generation
 from loadtest.suite_prefix import run_prefix
+from loadtest.suite_openai_servers import run_openai_servers
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "streaming": run_streaming,
     "generation": run_generation,
     "prefix": run_prefix,
+    "openai_servers": run_openai_servers,
 }
 
 

@@ -15,12 +15,7 @@ through it (slow: two ``transformers serve`` take ~20 s to start here):
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +26,7 @@ import openai
 import pytest
 import requests
 
+from tests.fixtures.hf_serve import Served, is_ready, missing, transformers_serve
 from tests.harness import Proc, start, start_worker, worker_url
 from tests.integration.gateway.stream_clients import WAIT_S, poll
 
@@ -40,62 +36,12 @@ STREAMS = 6
 MAX_TOKENS = 300
 
 
-@dataclass
-class Served:
-    """A ``transformers serve`` process."""
-
-    popen: subprocess.Popen
-    port: int
-    log: Path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-
-
-def _free_port() -> int:
-    # transformers serve takes no port 0: ask the kernel for a free one and hand it over.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def transformers_serve(source: Path, log: Path) -> Served:
-    """``HF_HUB_OFFLINE=1 transformers serve --force_model SOURCE --port P`` (not waited on)."""
-    port = _free_port()
-    cli = Path(sys.executable).with_name("transformers")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    with open(log, "wb") as out:
-        popen = subprocess.Popen([str(cli), "serve", "--force_model", str(source), "--host", "127.0.0.1",
-                                  "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    return Served(popen, port, log)
-
-
-def _ready(served: Served) -> bool:
-    if served.popen.poll() is not None:
-        raise AssertionError(f"transformers serve exited {served.popen.returncode}:\n{served.log.read_text()[-3000:]}")
-    try:
-        return requests.get(f"http://{served.address}/health", timeout=5).status_code == 200
-    except requests.ConnectionError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def pool(hf_llama_source: Path, hf_llama_export: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, list[Served], Proc]]:  # fmt: skip
-    if not Path(sys.executable).with_name("transformers").exists():
-        pytest.skip("transformers serve is not installed (pip install 'transformers[serving]')")
-    pytest.importorskip("fastapi")
+    lacking = missing()
+    if lacking is not None:
+        pytest.skip(f"transformers serve cannot run here: it needs {lacking}")
     tmp = tmp_path_factory.mktemp("mixed")
     repo = tmp / "repo"
     shutil.copytree(hf_llama_export, repo / "llama" / "1")
@@ -105,7 +51,7 @@ def pool(hf_llama_source: Path, hf_llama_export: Path,
     worker = gateway = None
     try:
         worker = start_worker(repo)
-        poll(lambda: all(_ready(s) for s in servers), "transformers serve ready", timeout_s=120.0)
+        poll(lambda: all(is_ready(s) for s in servers), "transformers serve ready", timeout_s=120.0)
         config = tmp / "gateway.yaml"
         # transformers serve lists hub names it does not serve: the entry names what it serves.
         entries = [{"address": f"openai://{s.address}", "models": ["llama", "tiny-tf"], "max_streams": 2}

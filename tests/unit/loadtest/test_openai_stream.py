@@ -26,10 +26,12 @@ def test_events_of_completion_and_chat_chunks_usage_done_and_errors() -> None:
 
 def test_timing_follows_genai_perf() -> None:
     # Sent at 10; text at 10.5, 10.7, 11.5; the server counts 5 tokens (chunks may carry several).
-    assert timing(10.0, [10.5, 10.7, 11.5], 5, 12.0) == StreamTiming(None, 0.5, 0.25, 5, 2.0)
-    assert timing(0.0, [1.0, 3.0], None, 3.0) == StreamTiming(None, 1.0, 2.0, 2, 3.0)
-    assert timing(0.0, [1.0], 1, 1.0).itl_s is None
-    assert timing(0.0, [], 0, 1.0) == StreamTiming(None, None, None, 0, 1.0)
+    # The chunks' own gaps stay beside it: 3 chunks over 1 s.
+    assert timing(10.0, [10.5, 10.7, 11.5], 5, 12.0) == StreamTiming(None, 0.5, 0.25, 5, 2.0, 3, 5, 0.5)
+    # No usage: the chunks stand for tokens.
+    assert timing(0.0, [1.0, 3.0], None, 3.0) == StreamTiming(None, 1.0, 2.0, 2, 3.0, 2, None, 2.0)
+    assert timing(0.0, [1.0], 1, 1.0).itl_s is None and timing(0.0, [1.0], 1, 1.0).chunk_gap_s is None
+    assert timing(0.0, [], 0, 1.0) == StreamTiming(None, None, None, 0, 1.0, usage_tokens=0)
 
 
 @pytest.mark.parametrize("chat", [False, True])
