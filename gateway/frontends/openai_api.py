@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,7 +73,10 @@ from gateway.frontends.openai_codec import (
 from gateway.frontends.openai_errors import body_of
 from gateway.frontends.openai_text import BadParameter, StopMatcher, TextJoiner
 from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
+from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
+from gateway.replicas.openai_contract import EMBEDDING_ANSWER, EMBEDDING_REQUEST
 from gateway.types import InferenceCore, InferRequest, InferResponse, Tensor
+from protos.codec import deserialize_bytes_tensor, serialize_bytes_tensor
 from protos.errors import InferGateError, Internal, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -334,9 +337,12 @@ class OpenAIApi:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         now = asyncio.get_running_loop().time()
-        e = embedding_request(_doc(await self._read_body(request)))
+        doc = _doc(await self._read_body(request))
+        e = embedding_request(doc)
         self._allow(request, e.model)
         config = self._core.model_config(e.model)
+        if config.backend == OPENAI_BACKEND:
+            return await self._server_embeddings(request, doc, e, now)
         metadata = self._core.model_metadata(e.model)
         contract = is_embedding_model({t.name: t.datatype for t in metadata.inputs}, [t.name for t in metadata.outputs])
         if contract:
@@ -366,6 +372,29 @@ class OpenAIApi:
             tokens = sum(len(ids) for ids in _encoder_ids(e, _limit(config, "max_position_embeddings")))
         check_dimensions(e, int(vectors[0].shape[-1]))
         return web.Response(body=orjson.dumps(embeddings_json(e, vectors, tokens)), content_type="application/json")
+
+
+    async def _server_embeddings(self, request: web.Request, doc: Mapping[str, Any], e: EmbeddingRequest,
+                                 now: float) -> web.Response:  # fmt: skip
+        """A model of an OpenAI-protocol server: the request goes on to the server's ``/v1/embeddings``
+        (routed, retried and timed as its generations are), its answer comes back as it gave it."""
+        fields = {k: v for k, v in doc.items() if k != "model"}
+        text = np.array([orjson.dumps(fields)], dtype=np.object_)
+        infer = InferRequest(model=e.model, version="", id=f"emb-{uuid.uuid4().hex}", outputs=[],
+                             inputs=[Tensor(EMBEDDING_REQUEST, "BYTES", (1,), serialize_bytes_tensor(text))])
+        infer.arrival = now
+        apply_timeout_header(infer, request.headers.get(TIMEOUT_HEADER), now)
+        answer: bytes | None = None
+        async with aclosing(self._core.stream(infer)) as responses:
+            async for response in responses:
+                for tensor in response.outputs:
+                    if tensor.name == EMBEDDING_ANSWER:
+                        answer = bytes(deserialize_bytes_tensor(tensor.data, 1)[0])
+        if answer is None:
+            raise Internal(f"model '{e.model}': its server gave no embeddings answer")
+        body = orjson.loads(answer)
+        body["model"] = e.model  # the name the client asked for (the server may spell its own)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 def _limit(config: Any, name: str) -> int | None:

@@ -14,7 +14,8 @@ asked again).
 
 A stream (``stream``) is one streamed OpenAI call (``openai_contract.openai_call``);
 each SSE event becomes its responses as it arrives, the call's end one final
-response with the server's usage. Closing the stream early closes its
+response with the server's usage. An embeddings request is one
+``/v1/embeddings`` call: its answer is one response, then the final one. Closing the stream early closes its
 connection, which stops the generation on the server.
 
 Failures, as the router reads them: a refused, reset or timed-out
@@ -43,7 +44,8 @@ import orjson
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.replicas.errors import ModelControlDisabled, WorkerBusy, WorkerUnreachable
-from gateway.replicas.openai_contract import ChunkReader, model_config, model_metadata, openai_call
+from gateway.replicas.openai_contract import (EMBEDDINGS_PATH, ChunkReader, embedding_response, final_response,
+                                              model_config, model_metadata, openai_call)
 from gateway.replicas.replica import ServerLoad, StreamItem
 from gateway.replicas.server_metrics import server_load
 from gateway.settings import WorkerSpec
@@ -266,6 +268,11 @@ class OpenAIServer:
                 if response.status != 200:
                     raise self.error(response.status, _message(await response.read()),
                                      response.headers.get("retry-after"), f"server {self.address}, POST {path}")
+                if path == EMBEDDINGS_PATH:  # one answer, not streamed
+                    answer, prompt_tokens = embedding_response(request, await response.read(), self.error)
+                    yield answer, time.monotonic()
+                    yield final_response(request, None, prompt_tokens, None), time.monotonic()
+                    return
                 ended = False
                 try:
                     if response.content_type != "text/event-stream":  # a whole answer, streamed or not

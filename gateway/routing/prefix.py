@@ -18,9 +18,9 @@ default least loaded) for every other call:
   that worker takes the prompt while it has a free generation slot;
 - otherwise (a new prefix, its worker full, gone or already tried by this
   call) the candidate with the most free slots takes it, and the LRU
-  remembers it. While the load is balanced (the candidates' free slots
-  within :data:`BALANCE_SLACK` of each other, or the least free with at
-  least half the most free's), the one with
+  remembers it. While the load is balanced (the candidates' loads, streams
+  held and the server's queue, within :data:`BALANCE_SLACK` of each other
+  or within :data:`BALANCE_RATIO` times the least), the one with
   the fewest prefixes routed to it takes it instead (SGLang's cache-aware
   router gives a new prefix to the worker with the smallest cache tree), so
   the prefixes, and the caches they fill, are split evenly rather than by
@@ -63,9 +63,11 @@ MESSAGES_INPUT = "messages"  # a chat: its messages' JSON opens with the system 
 DEFAULT_PREFIX_BYTES = 64
 DEFAULT_ROUTES = 4096  # prefixes remembered (LRU)
 DEFAULT_MAX_SEQUENCES = 32  # the worker's default for a model without the parameter
-# Balanced load (new prefixes then go by fewest routed): the candidates' free slots at most this far
-# apart, or the least free still has half the most free's.
+# Balanced load (new prefixes then go by fewest routed), as SGLang's router tells it: the candidates'
+# loads (streams held + the server's queue) at most BALANCE_SLACK apart, or the most at most
+# BALANCE_RATIO times the least.
 BALANCE_SLACK = 2
+BALANCE_RATIO = 1.5
 
 # (model, prefix key) of the streamed call being routed now; None outside one.
 _CURRENT: contextvars.ContextVar[tuple[str, bytes] | None] = contextvars.ContextVar("prefix_key", default=None)
@@ -149,8 +151,7 @@ class PrefixAffinity:
         self.misses += 1
         pool = [w for w in candidates if w not in avoid] or candidates  # tried ones only when none else is left
         most = max(free[w] or 0 for w in pool)
-        least = min(free[w] or 0 for w in pool)
-        if most > 0 and (most - least <= BALANCE_SLACK or 2 * least >= most):  # balanced load
+        if most > 0 and _balanced([_load(w, model, bounds) for w in pool]):
             open_ = [w for w in pool if (free[w] or 0) > 0]
             fewest = min(self._routed[(model, w.address)] for w in open_)
             pool = [w for w in open_ if self._routed[(model, w.address)] == fewest]
@@ -176,6 +177,17 @@ class PrefixAffinity:
         self._routed[(model, address)] -= 1
         if self._routed[(model, address)] <= 0:
             del self._routed[(model, address)]
+
+
+def _load(worker: WorkerState, model: str, bounds: InflightBounds) -> int:
+    """Streams of ``model`` on ``worker``: those it holds of this gateway and those its server queues."""
+    waiting = int(worker.server_load.waiting) if worker.server_load is not None else 0
+    return bounds.held(worker, model) + waiting
+
+
+def _balanced(loads: Sequence[int]) -> bool:
+    most, least = max(loads), min(loads)
+    return most - least <= BALANCE_SLACK or most <= BALANCE_RATIO * least
 
 
 def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None:

@@ -13,13 +13,18 @@ official ``openai`` client:
 - a 4xx is the request's: passed back in the server's words, charged to
   no server (none ejected); a 503 is retried on the others; a stream cut
   mid-way ends with a clear error and the server is marked down;
+- ``/v1/embeddings`` goes on to a server and its answer comes back as it
+  gave it (strings, token ids, base64); a model that does not embed is the
+  server's 400, charged to none;
 - a server killed mid-stream: its stream ends with an error naming it,
   new requests go to the other, it is marked down.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,6 +170,35 @@ def test_a_4xx_is_the_requests_fault(fleet: tuple[Proc, dict[str, Proc]]) -> Non
     assert {w["state"] for w in after.values()} == {"ready"}
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+def test_embeddings_go_on_to_the_servers(fleet: tuple[Proc, dict[str, Proc]]) -> None:
+    gateway, stubs = fleet
+    client = _client(gateway)
+    answer = client.embeddings.create(model="base", input=["one", "three", "seven!!"])
+    vectors = [d.embedding for d in answer.data]
+    assert [v[:2] for v in vectors] == [[3.0, 0.0], [5.0, 1.0], [7.0, 2.0]]  # the server's own vectors, in order
+    assert answer.model == "base" and answer.usage.prompt_tokens == 3
+    names = {float(sum(n.encode())): n for n in stubs}
+    served = names[vectors[0][2]]
+    sent = [c for c in _calls(stubs[served]) if c["path"] == "/v1/embeddings"][-1]
+    assert sent["body"]["input"] == ["one", "three", "seven!!"] and sent["body"]["model"] == "base"
+    ids = client.embeddings.create(model="base", input=[[1, 2, 3, 4]])  # token ids go on as they are
+    assert ids.data[0].embedding[0] == 4.0
+    encoded = client.embeddings.create(model="base", input="abc", encoding_format="base64")
+    assert struct.unpack("<3f", base64.b64decode(encoded.data[0].embedding))[:2] == (3.0, 0.0)  # the server's
+    # A model that does not embed: the server's 400 in its words, charged to no server; a 503 is retried.
+    before = {a: w["load"]["failures"] for a, w in _cluster(gateway).items()}
+    for _ in range(6):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model="base-lora", input="hi")
+        assert "does not support Embeddings API" in str(info.value)
+    assert {a: w["load"]["failures"] for a, w in _cluster(gateway).items()} == before
+    with pytest.raises(openai.APIStatusError) as boom:
+        client.embeddings.create(model="base", input="boom")
+    assert boom.value.status_code == 503 and "engine exploded" in str(boom.value)
+    with pytest.raises(openai.BadRequestError):  # the gateway's own check of the request, before any server
+        client.embeddings.create(model="base", input=[])
 
 
 def test_server_faults(fleet: tuple[Proc, dict[str, Proc]]) -> None:

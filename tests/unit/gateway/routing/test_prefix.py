@@ -191,7 +191,7 @@ def test_under_balanced_load_new_prefixes_go_to_the_worker_with_fewest() -> None
     assert choose(chooser, b"opening one", [a, b]) is a  # the old rule (most free) would say b again
     assert choose(chooser, b"opening two", [a, b]) is b  # one each: the freer
     assert choose(chooser, b"opening one", [a, b]) is a  # and each keeps its own
-    a.inflight = 4  # 4 free against 8: still balanced (half of the most free)
+    a.inflight, b.inflight = 6, 4  # loads BALANCE_SLACK apart: still balanced
     assert choose(chooser, b"opening three", [a, b]) is a
-    a.inflight = 8 - BALANCE_SLACK  # 2 free against 8: not balanced, the freer takes it, however many it has
+    a.inflight = 4 + BALANCE_SLACK + 1  # no longer: the freer takes it, however many prefixes it has
     assert choose(chooser, b"opening four", [a, b]) is b
