@@ -76,7 +76,7 @@ from gateway.limits import TIMEOUT_HEADER, apply_timeout_header
 from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
 from gateway.replicas.openai_contract import EMBEDDING_ANSWER, EMBEDDING_REQUEST
 from gateway.types import InferenceCore, InferRequest, InferResponse, Tensor
-from protos.codec import deserialize_bytes_tensor, serialize_bytes_tensor
+from protos.codec import deserialize_bytes_tensor
 from protos.errors import InferGateError, Internal, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -379,9 +379,8 @@ class OpenAIApi:
         """A model of an OpenAI-protocol server: the request goes on to the server's ``/v1/embeddings``
         (routed, retried and timed as its generations are), its answer comes back as it gave it."""
         fields = {k: v for k, v in doc.items() if k != "model"}
-        text = np.array([orjson.dumps(fields)], dtype=np.object_)
-        infer = InferRequest(model=e.model, version="", id=f"emb-{uuid.uuid4().hex}", outputs=[],
-                             inputs=[Tensor(EMBEDDING_REQUEST, "BYTES", (1,), serialize_bytes_tensor(text))])
+        infer = InferRequest(model=e.model, version="", id=f"emb-{uuid.uuid4().hex}", inputs=[], outputs=[],
+                             parameters={EMBEDDING_REQUEST: orjson.dumps(fields).decode()})
         infer.arrival = now
         apply_timeout_header(infer, request.headers.get(TIMEOUT_HEADER), now)
         answer: bytes | None = None

@@ -17,12 +17,14 @@ KServe's generate extension, a gRPC stream).
   those names, else from the request's parameters (the frontends send a
   field one way or the other); ``logprobs`` and ``ignore_eos`` are
   parameters.
-- embeddings: a request whose input ``embedding_request`` holds an OpenAI
-  embeddings request's JSON (``input`` and the fields beside it, but
-  ``model``) is a ``/v1/embeddings`` call, not streamed; its one response
-  carries the server's answer, as it is, in ``embedding_answer``
-  (:func:`embedding_response`), then the final one with its token count. A
-  model that does not embed says so in the server's words (a 4xx).
+- embeddings: a request whose parameter ``embedding_request`` holds an
+  OpenAI embeddings request's JSON (``input`` and the fields beside it, but
+  ``model``), with no inputs, is a ``/v1/embeddings`` call, not streamed;
+  its one response carries the server's answer, as it is, in the output
+  ``embedding_answer`` (:func:`embedding_response`), then the final one
+  with its token count. Neither is part of the config (whose signature an
+  infergate worker's export shares in one pool). A model that does not
+  embed says so in the server's words (a 4xx).
 - :class:`ChunkReader`: each of the server's chunks (one SSE ``data:``
   event, or a whole JSON answer) -> the responses it makes: its text in
   ``text_output`` (split token by token when it carries the tokens' log
@@ -51,13 +53,13 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
 TEXT_OUTPUT = "text_output"
-EMBEDDING_REQUEST = "embedding_request"  # an embeddings request's JSON, but its model
+EMBEDDING_REQUEST = "embedding_request"  # parameter: an embeddings request's JSON, but its model
 EMBEDDING_ANSWER = "embedding_answer"  # the server's answer to it, as it is
 MAX_SEQUENCES = "max_sequences"
 # The generation backend's inputs of a Hugging Face export, in its order (execution.backends.hf_export).
 _INPUTS = (("text_input", mc.TYPE_STRING, [1]), ("messages", mc.TYPE_STRING, [1]), ("max_tokens", mc.TYPE_INT32, [1]),
            ("temperature", mc.TYPE_FP32, [1]), ("top_p", mc.TYPE_FP32, [1]), ("seed", mc.TYPE_UINT64, [1]),
-           ("stop", mc.TYPE_STRING, [-1]), (EMBEDDING_REQUEST, mc.TYPE_STRING, [1]))
+           ("stop", mc.TYPE_STRING, [-1]))
 _DATATYPES = {mc.TYPE_STRING: "BYTES", mc.TYPE_INT32: "INT32", mc.TYPE_FP32: "FP32", mc.TYPE_UINT64: "UINT64"}
 
 
@@ -69,7 +71,6 @@ def model_config(name: str, max_streams: int) -> mc.ModelConfig:
         tensor = config.input.add(name=input_name, data_type=data_type, optional=True)
         tensor.dims.extend(dims)
     config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=[1])
-    config.output.add(name=EMBEDDING_ANSWER, data_type=mc.TYPE_STRING, dims=[1])
     config.parameters[MAX_SEQUENCES].string_value = str(max_streams)
     return config
 
@@ -127,13 +128,13 @@ def _scalar(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], nam
 def openai_call(request: service_pb2.ModelInferRequest, model: str) -> tuple[str, dict[str, Any]]:
     """The path and body of the OpenAI call that serves ``request`` as ``model`` (the server's name)."""
     inputs, parameters = _inputs(request), _parameters(request)
-    if EMBEDDING_REQUEST in inputs:
+    if EMBEDDING_REQUEST in parameters:
         try:
-            fields = orjson.loads(_text(inputs[EMBEDDING_REQUEST].reshape(-1)[0]))
-        except (orjson.JSONDecodeError, IndexError) as exc:
-            raise InvalidArgument(f"input '{EMBEDDING_REQUEST}' is not JSON: {exc}") from None
+            fields = orjson.loads(_text(parameters[EMBEDDING_REQUEST]))
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"parameter '{EMBEDDING_REQUEST}' is not JSON: {exc}") from None
         if not isinstance(fields, dict) or "input" not in fields:
-            raise InvalidArgument(f"input '{EMBEDDING_REQUEST}' must be a JSON object with 'input'")
+            raise InvalidArgument(f"parameter '{EMBEDDING_REQUEST}' must be a JSON object with 'input'")
         return EMBEDDINGS_PATH, {**fields, "model": model}
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     if "messages" in inputs:

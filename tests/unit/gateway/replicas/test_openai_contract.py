@@ -10,8 +10,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.replicas.errors import WorkerBusy
-from gateway.replicas.openai_contract import (CHAT_PATH, COMPLETIONS_PATH, ChunkReader, model_config, model_metadata,
-                                              openai_call)
+from gateway.replicas.openai_contract import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDING_ANSWER, EMBEDDING_REQUEST,
+                                              EMBEDDINGS_PATH, ChunkReader, embedding_response, model_config,
+                                              model_metadata, openai_call)
 from gateway.replicas.openai_server import OpenAIServer
 from gateway.replicas.server_metrics import server_load
 from gateway.settings import ConfigError, WorkerSpec
@@ -147,3 +148,19 @@ def test_workers_entries_for_openai_servers() -> None:
         WorkerSpec.from_mapping({"address": "h:9", "api_key": "k"})
     with pytest.raises(ConfigError, match="models must be a list"):
         WorkerSpec.from_mapping({"address": "openai://h:9", "models": "llama"})
+
+
+def test_an_embeddings_request_is_one_call_and_its_answer_goes_back_as_it_is() -> None:
+    request = _request()
+    request.parameters[EMBEDDING_REQUEST].string_param = orjson.dumps({"input": ["a", "b"], "dimensions": 8}).decode()
+    path, body = openai_call(request, "served-name")
+    assert (path, body) == (EMBEDDINGS_PATH, {"input": ["a", "b"], "dimensions": 8, "model": "served-name"})
+    request.parameters[EMBEDDING_REQUEST].string_param = '{"dimensions": 8}'
+    with pytest.raises(InvalidArgument, match="with 'input'"):
+        openai_call(request, "m")
+    answer = orjson.dumps({"object": "list", "data": [{"index": 0, "embedding": [0.5]}], "usage": {"prompt_tokens": 2}})
+    response, tokens = embedding_response(request, answer, lambda status, message: Unavailable(f"{status} {message}"))
+    assert tokens == 2 and response.outputs[0].name == EMBEDDING_ANSWER
+    assert deserialize_bytes_tensor(response.raw_output_contents[0], 1)[0] == answer
+    with pytest.raises(Unavailable, match="502 the server's embeddings answer has no 'data' list"):
+        embedding_response(request, b'{"object": "list"}', lambda status, message: Unavailable(f"{status} {message}"))
