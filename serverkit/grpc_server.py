@@ -54,7 +54,11 @@ BURST_OPTIONS: tuple[tuple[str, int], ...] = (
 # idle, so its pings (every 10 s against the defaults) were refused after a
 # few silent periods and a healthy worker was marked DOWN within minutes of
 # light streaming. The client's periods and the servers' limits are set
-# here, together.
+# here, together. The channels keep gRPC's default
+# ``grpc.http2.max_pings_without_data`` (2 pings with no data between, then
+# none until data flows): within a Triton server's 2 strikes even at a short
+# keepalive time, where an unbounded channel is told GOAWAY on a silent
+# stream (tests/integration/gateway/test_keepalive.py).
 
 # How long an infergate worker's connection may be silent, with calls open, before the gateway pings it.
 KEEPALIVE_TIME_MS = 10_000

@@ -8,7 +8,7 @@ client calling all along) for several periods at a time. With the gRPC server
 defaults the workers had (a ping every 5 min at most, 2 strikes), a worker
 answered GOAWAY "too_many_pings" after a few silent periods, the gateway marked
 it DOWN and retried the stream elsewhere (or the client's stream failed); here no worker may leave READY, and
-no failure or retry may be counted against one.
+no failure or retry may be counted against one. The same for the bundled Triton server with its defaults.
 """
 
 from __future__ import annotations
@@ -135,3 +135,54 @@ def test_idle_and_busy_spells_past_several_keepalive_periods_drop_no_worker(gate
     workers = cluster_workers(gateway)
     assert [(w["state"], w["load"]["failures"], w["load"]["retries"]) for w in workers] == [("ready", 0, 0)] * 2, (
         workers, gateway.log()[-4000:])
+
+
+def test_a_triton_server_with_its_defaults_stays_up_through_silent_streams(model_repo: Path,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """The bundled Triton with its defaults (a ping no sooner than 300 s after the last, 2 strikes) and a
+    gateway whose channel to it pings after 1 s of silence (``triton_keepalive_s``, 310 s by default):
+    streams held open and silent past several ping periods, with calls between. The channel pings only
+    while calls are open and at most twice with no data between (gRPC's default), which Triton's strikes
+    allow; a channel pinging without that bound is told GOAWAY too_many_pings here and the silent stream
+    fails. No stream may end early, no DOWN, no failure counted."""
+    from models.triton import build_triton_repository
+    from tests.triton_harness import start_triton, triton_available
+
+    available, reason = triton_available()
+    if not available:
+        pytest.skip(f"no real Triton here: {reason}")
+    repo = tmp_path / "triton-models"
+    build_triton_repository(model_repo, repo, ["simple"])
+    shutil.copytree(model_repo / "repeat_int32", repo / "repeat_int32")
+    triton = start_triton(repo, models=["simple", "repeat_int32"])
+    try:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(f"triton_keepalive_s: {KEEPALIVE_S}\nprobe:\n  interval_s: 0.5\n")
+        gateway = start(["gateway", "--worker", f"triton://{triton.grpc_url}", "--config", str(config),
+                         "--http-port", "0", "--grpc-port", "0"])
+        grpc_url = f"127.0.0.1:{gateway.ready['grpc_port']}"
+        try:
+            poll(lambda: [w["state"] for w in cluster_workers(gateway)] == ["ready"], "Triton ready")
+            client = grpcclient.InferenceServerClient(grpc_url)
+            try:
+                for n in range(ROUNDS // 2):
+                    for _ in range(10):
+                        assert client.infer("simple", simple_inputs()).as_numpy("OUTPUT0").shape == (1, 16)
+                    # A stream silent for the idle spell under test: its second response waits that long.
+                    stream = Stream(grpc_url)
+                    stream.send("repeat_int32", repeat_inputs([7, 8], delay_ms=[0, int(IDLE_S * 1000)]), f"quiet-{n}",
+                                empty_final=True)
+                    stream.wait_for(lambda got: any(r.final or r.error for r in got), timeout_s=IDLE_S * 4)
+                    got = stream.finish()
+                    assert all(r.error is None for r in got), (got, gateway.log()[-3000:])
+                    assert [r.values for r in got if not r.final] == [[7], [8]], got
+                    assert [w["state"] for w in cluster_workers(gateway)] == ["ready"], gateway.log()[-3000:]
+            finally:
+                client.close()
+            workers = cluster_workers(gateway)
+            assert [(w["state"], w["load"]["failures"], w["load"]["retries"]) for w in workers] == \
+                [("ready", 0, 0)], (workers, gateway.log()[-4000:])
+        finally:
+            gateway.stop()
+    finally:
+        triton.stop()
