@@ -234,7 +234,8 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
             "worker_ms_per_row": _ms(gateway.router.row_costs.median_row_s(name)),
             "light": gateway.router.row_costs.verdict(name),
             # The relay lane: on or off, and why (null while the model is not ready).
-            "relay": {"on": lanes[name].on, "why": lanes[name].why} if name in lanes else None,
+            "relay": ({"on": lanes[name].on, "why": lanes[name].why, "while_idle": lanes[name].while_idle}
+                      if name in lanes else None),
         })
     return {
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},
