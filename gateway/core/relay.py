@@ -162,6 +162,7 @@ class RelayPath:
                  router: Router, batchers: Batchers, sequences: SequenceRoutes, placement: PlacementController,
                  stats: GatewayStats, latency: LatencyHistograms, default_timeout_s: float) -> None:
         self.lanes = lanes
+        self.calls: dict[str, int] = {}  # each model's calls routed on the lane (``/v2/cluster``)
         self._batchers = batchers
         self._models = models
         self._admission = admission
@@ -199,6 +200,7 @@ class RelayPath:
             info, version = await self._models.resolve(call.model, call.version, call.timeout_us)
             if not self.lanes.verdict(call.model, info).on:
                 raise NotRelayed(call.model)
+            self.calls[call.model] = self.calls.get(call.model, 0) + 1
             config = info.config
             timeout_s = call.timeout_us / 1e6 if call.timeout_us else self._default_timeout_s
             deadline = now + timeout_s if call.deadline is None else min(now + timeout_s, call.deadline)

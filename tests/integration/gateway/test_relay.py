@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
@@ -322,6 +323,12 @@ async def test_a_call_that_finds_every_slot_taken_is_batched_here_and_an_idle_on
         third = request_bytes("relayed", request_id="r-3")
         await infer(third, timeout=WAIT_S)
         assert fake.calls[2] == third  # idle again: relayed as sent
+        assert running.gateway.relayed_calls() == {"relayed": 2}  # the first and the third
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{running.http_port}/v2/cluster") as response:
+                cluster = await response.json()
+        [shown] = [m["relay"] for m in cluster["models"] if m["name"] == "relayed"]
+        assert shown["on"] and shown["while_idle"] and shown["relayed_calls"] == 2
 
 
 def _queued(running: RunningGateway, model: str) -> bool:
