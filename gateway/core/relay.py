@@ -39,8 +39,9 @@ one call to the server per request, and in Python one call costs the gateway
 more CPU than reading, batching and writing a request costs it once batches
 hold several (measured in bench/results.md: 0.5-0.6 against 0.35-0.45 ms of
 gateway CPU a request at 16 and 64 clients). A call the lane takes while a
-slot is free is what the adaptive batcher would have sent at once as a batch
-of one, and it counts as one (``worker.inflight``); the models that are always
+slot is free is one the adaptive batcher would have sent at once (alone, or
+with the calls arriving in the same turn of the event loop), and it counts
+as a batch of one (``worker.inflight``); the models that are always
 on the lane (stateful, or not batched here) count their calls apart
 (``InflightBounds.relayed``).
 
