@@ -8,7 +8,8 @@ Starts, on this machine:
   on the CPU inside Triton's Python stub, Triton's dynamic batcher on);
 * an infergate worker serving the ONNX ``mlp``;
 * one gateway in front of the Triton server with its relay lane on
-  (``relay: auto``: ``mlp``'s calls go on to Triton as their bytes), one
+  (``relay: auto``: ``mlp``'s calls go on to Triton as their bytes while a
+  Triton instance is free, and are batched by the gateway beyond), one
   more with ``relay: off`` (the default: every call read, batched and
   written again), and one in front of the worker;
 * ``infergate serve`` running the same ``mlp`` in its own process (one

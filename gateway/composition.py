@@ -188,8 +188,8 @@ def build_gateway(config: GatewayConfig, *, cluster: Cluster | None = None, rout
     # Calls no gateway feature needs to read go on as their bytes (the relay lane), decided per model.
     lanes = RelayLanes(config.relay_mode, router=router, batchers=batchers, cache=cache, parallel=parallel,
                        gateway_batching=lambda name: bool(config.batching_settings(name)))
-    relaying = RelayPath(lanes, models, admission=admission, cluster=cluster, router=router, sequences=sequences,
-                         placement=fleet.placement, stats=stats, latency=latency,
+    relaying = RelayPath(lanes, models, admission=admission, cluster=cluster, router=router, batchers=batchers,
+                         sequences=sequences, placement=fleet.placement, stats=stats, latency=latency,
                          default_timeout_s=settings.default_timeout_s)
     pipeline = RequestPipeline(
         models, streaming, admission=admission, cluster=cluster, router=router, parallel=parallel,

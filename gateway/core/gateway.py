@@ -151,6 +151,11 @@ class Gateway:
         lanes = self.pipeline.relaying.lanes
         return {name: lanes.verdict(name, info) for name, info in self.cluster.models().items()}
 
+    def relayed_calls(self) -> dict[str, int]:
+        """Each model's calls routed on the relay lane so far (a model relayed only while idle sends the
+        rest on the full path), for ``/v2/cluster``."""
+        return dict(self.pipeline.relaying.calls)
+
     def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """The request's responses as its worker sends them (``gateway.core.streaming``); the last is
         ``final``. An ordinary model's request yields its one response. The worker's empty final

@@ -16,7 +16,8 @@ server's own), as on the full path.
 Which models take it is decided once per model and kept until the cluster's
 view of the model changes (:class:`RelayLanes`). A model takes the lane when
 the gateway's ``relay`` setting (or ``models.<name>.relay``) is ``auto`` (the
-default is ``off``: under load the lane is not faster yet, bench/results.md) and
+default is ``off``: under load the lane is no faster than the full path,
+bench/results.md) and
 
 - every replica relays (a gRPC server: an infergate worker or Triton; the
   local replica and OpenAI-protocol servers do not);
@@ -28,6 +29,21 @@ default is ``off``: under load the lane is not faster yet, bench/results.md) and
 - nothing else of the gateway reads it: no response cache, no
   classification labels in its config, not decoupled (streams), not an
   ensemble (its steps are read), not split across workers.
+
+A model whose servers batch it takes the lane only while a call of it would
+start at once: a replica has a free execution slot (``ModelCapacity.has_capacity``)
+and none of its requests waits in the gateway's batcher
+(:attr:`RelayVerdict.while_idle`). Beyond that its calls take the full path
+and are batched here. The reason is the second gRPC call: a relayed call is
+one call to the server per request, and in Python one call costs the gateway
+more CPU than reading, batching and writing a request costs it once batches
+hold several (measured in bench/results.md: 0.5-0.6 against 0.35-0.45 ms of
+gateway CPU a request at 16 and 64 clients). A call the lane takes while a
+slot is free is one the adaptive batcher would have sent at once (alone, or
+with the calls arriving in the same turn of the event loop), and it counts
+as a batch of one (``worker.inflight``); the models that are always
+on the lane (stateful, or not batched here) count their calls apart
+(``InflightBounds.relayed``).
 
 A call of such a model still takes the full path when it asks for what only
 the gateway does (``frontends.grpc_wire.relay_call``: shared-memory tensors,
@@ -74,14 +90,19 @@ class RelayVerdict:
 
     on: bool
     why: str
+    # On the lane only while a call would start at once (a free execution slot, nothing queued in
+    # the batcher); else batched here. False: every call of the model takes the lane.
+    while_idle: bool = False
 
 
 class RelayLanes:
     """Each model's verdict, decided on its first call and again whenever the cluster's view of it changes.
 
     ``mode_for(name)``: the model's relay setting (``auto`` or ``off``).
-    The router's in-flight bounds learn which models are on the lane
-    (``InflightBounds.relayed``): their calls are counted apart, in calls.
+    The router's in-flight bounds learn which models are always on the lane
+    (``InflightBounds.relayed``): their calls are counted apart, in calls. A
+    model on it only while idle is not among them: its relayed calls are
+    batches of one to the bounds.
     """
 
     def __init__(self, mode_for: Callable[[str], str], *, router: Router, batchers: Batchers,
@@ -101,7 +122,7 @@ class RelayLanes:
             return known[1]
         verdict = self._decide(name, info)
         self._verdicts[name] = (info, verdict)
-        if verdict.on:
+        if verdict.on and not verdict.while_idle:
             self._router.bounds.relayed.add(name)
         else:
             self._router.bounds.relayed.discard(name)
@@ -130,7 +151,8 @@ class RelayLanes:
         if policy.max_batch_size == 0 or policy.mode == "off":
             return RelayVerdict(True, "not batched by the gateway")
         if triton and config.HasField("dynamic_batching") and not self._gateway_batching(name):
-            return RelayVerdict(True, "its Triton servers batch it (dynamic_batching)")
+            return RelayVerdict(True, "its Triton servers batch it (dynamic_batching): relayed while a replica "
+                                "has a free execution slot, batched here beyond", while_idle=True)
         return RelayVerdict(False, "the gateway batches it")
 
 
@@ -138,9 +160,11 @@ class RelayPath:
     """Runs the calls of the relay lane: admitted, resolved, routed, counted (see the module docstring)."""
 
     def __init__(self, lanes: RelayLanes, models: ModelCatalog, *, admission: Admission, cluster: Cluster,
-                 router: Router, sequences: SequenceRoutes, placement: PlacementController, stats: GatewayStats,
-                 latency: LatencyHistograms, default_timeout_s: float) -> None:
+                 router: Router, batchers: Batchers, sequences: SequenceRoutes, placement: PlacementController,
+                 stats: GatewayStats, latency: LatencyHistograms, default_timeout_s: float) -> None:
         self.lanes = lanes
+        self.calls: dict[str, int] = {}  # each model's calls routed on the lane (``/v2/cluster``)
+        self._batchers = batchers
         self._models = models
         self._admission = admission
         self._cluster = cluster
@@ -152,12 +176,22 @@ class RelayPath:
         self._default_timeout_s = default_timeout_s
 
     def relays(self, name: str, version: str = "") -> bool:
-        """Whether the model's calls take the lane now; a model not servable now takes the full path,
-        which answers it as ever (placed on request, or refused in Triton's words)."""
+        """Whether the model's next call takes the lane now; a model not servable now takes the full path,
+        which answers it as ever (placed on request, or refused in Triton's words). A model on the lane
+        only while idle (:attr:`RelayVerdict.while_idle`) takes it while the call would start at once."""
         info = self._cluster.model(name)
         if info is None or (version and version not in info.versions):
             return False
-        return self.lanes.verdict(name, info).on
+        verdict = self.lanes.verdict(name, info)
+        if not verdict.while_idle:
+            return verdict.on
+        version = version or self._models.latest(name)  # the batcher and capacity of the version served
+        batcher = self._batchers.get(name, version)
+        if batcher is not None and batcher.queue_depth():
+            return False  # requests wait for a batch: this one joins them rather than passing them
+        # Nothing suspends from here to the call taking its slot (``Router.relay``; ``resolve`` answers at once
+        # for a model the cluster serves): the next call sees the slot taken.
+        return self._router.capacity(name, version).has_capacity()
 
     async def run(self, call: RelayCall) -> bytes:
         """The call's answer, as its replica's bytes; ``NotRelayed`` when the model left the lane."""
@@ -167,6 +201,7 @@ class RelayPath:
             info, version = await self._models.resolve(call.model, call.version, call.timeout_us)
             if not self.lanes.verdict(call.model, info).on:
                 raise NotRelayed(call.model)
+            self.calls[call.model] = self.calls.get(call.model, 0) + 1
             config = info.config
             timeout_s = call.timeout_us / 1e6 if call.timeout_us else self._default_timeout_s
             deadline = now + timeout_s if call.deadline is None else min(now + timeout_s, call.deadline)

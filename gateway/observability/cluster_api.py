@@ -217,6 +217,7 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
     ready = gateway.cluster.models()
     # Which models' calls go on as their bytes (gateway.core.relay), when the gateway says.
     lanes = gateway.relay_lanes() if hasattr(gateway, "relay_lanes") else {}
+    relayed = gateway.relayed_calls() if hasattr(gateway, "relayed_calls") else {}
     models = []
     for name, known in sorted(gateway.cluster.known_models().items()):
         info = ready.get(name)
@@ -233,8 +234,9 @@ def cluster_view(gateway: ObservedGateway, devices: DeviceMonitor,
             # verdict (true light, false heavy, null not judged yet or the rule off).
             "worker_ms_per_row": _ms(gateway.router.row_costs.median_row_s(name)),
             "light": gateway.router.row_costs.verdict(name),
-            # The relay lane: on or off, and why (null while the model is not ready).
-            "relay": {"on": lanes[name].on, "why": lanes[name].why} if name in lanes else None,
+            # The relay lane: on or off, and why (null while the model is not ready); its calls so far.
+            "relay": ({"on": lanes[name].on, "why": lanes[name].why, "while_idle": lanes[name].while_idle,
+                       "relayed_calls": relayed.get(name, 0)} if name in lanes else None),
         })
     return {
         "gateway": {"version": __version__, "ready": gateway.server_ready(), "time": time.time()},

@@ -18,12 +18,14 @@ a replica takes up to ``max_sequences`` streams of it at once, counted apart
 (:meth:`InflightBounds.stream_started`), so they neither wait on the
 execution slots nor make the replica look busy to other models' batches.
 
-A model on the relay lane (``gateway.core.relay``: its server batches its
-calls itself) is counted apart too, in calls (:meth:`InflightBounds.call_started`):
-a replica is busy at its slots times the model's ``max_batch_size`` calls
-(the rows its executions take at once, which its own batcher fills) and full
-at twice that, so calls reach the server's queue to be batched there instead
-of waiting here one batch per slot.
+A model always on the relay lane (``gateway.core.relay``: a stateful model,
+or one the gateway does not batch) is counted apart too, in calls
+(:meth:`InflightBounds.call_started`): a replica is busy at its slots times
+the model's ``max_batch_size`` calls (the rows its executions take at once,
+which its own batcher fills) and full at twice that, so calls reach the
+server's queue instead of waiting here one per slot. A model on the lane only
+while a slot is free (its Triton servers batch it) is not: each relayed call
+is a batch of one to these bounds, and beyond them its calls are batched here.
 
 :class:`ModelCapacity` is the seam the batcher holds batches back on
 (``gateway.batching.seams.Capacity``): a model has *capacity* while some
@@ -97,7 +99,7 @@ class InflightBounds:
         self.row_costs = row_costs or RowCosts(0.0)  # the light-model rule, off unless given
         # Open streams of sequence-batching models and calls of relayed models, per replica and model (see held).
         self._sequences: dict[WorkerState, dict[str, int]] = {}
-        # Models on the relay lane (set by gateway.core.relay when it decides a model's lane).
+        # Models whose every call takes the relay lane (set by gateway.core.relay when it decides a model's lane).
         self.relayed: set[str] = set()
 
     def sequence_limit(self, worker: WorkerState, model: str) -> int:

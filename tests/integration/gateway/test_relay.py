@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
@@ -287,6 +288,52 @@ def _read_by_the_gateway(fake: FakeTriton, sent: bytes) -> bool:
     """The call the server got is the gateway's own (the full path writes the version it resolved)."""
     [got] = fake.calls
     return got != sent and service_pb2.ModelInferRequest.FromString(got).model_version == "1"
+
+
+async def test_a_call_that_finds_every_slot_taken_is_batched_here_and_an_idle_one_relays() -> None:
+    # The one server runs one execution at once (one instance): while the first call holds it,
+    # the next call is read and batched by the gateway; once it is free, calls relay again.
+    gate = asyncio.Event()
+
+    async def hold_the_first(fake: FakeTriton, data: bytes, context: grpc.aio.ServicerContext) -> None:
+        if len(fake.calls) == 1:
+            await gate.wait()
+
+    async with fake_tritons(1) as [fake], gateway_before([fake]) as running, raw_client(running) as infer:
+        assert running.gateway.relay_lanes()["relayed"].while_idle
+        fake.behaviour = hold_the_first
+        first = request_bytes("relayed", request_id="r-1")
+        held = asyncio.ensure_future(infer(first, timeout=WAIT_S))
+        await asyncio.wait_for(fake.received.wait(), WAIT_S)
+        assert fake.calls == [first]  # a free slot: relayed as sent
+        second = request_bytes("relayed", request_id="r-2")
+        batched = asyncio.ensure_future(infer(second, timeout=WAIT_S))
+        # Polled: the second is queued in the gateway's batcher (the slot is taken), or already sent on.
+        loop = asyncio.get_running_loop()
+        until = loop.time() + WAIT_S
+        while not (len(fake.calls) == 2 or _queued(running, "relayed")):
+            assert loop.time() < until, "the second call never reached the batcher or the server"
+            await asyncio.sleep(0.01)
+        gate.set()
+        answers = [service_pb2.ModelInferResponse.FromString(a) for a in await asyncio.gather(held, batched)]
+        assert [a.id for a in answers] == ["r-1", "r-2"]
+        assert len(fake.calls) == 2
+        got = service_pb2.ModelInferRequest.FromString(fake.calls[1])
+        assert fake.calls[1] != second and got.model_version == "1"  # written by the gateway: the full path
+        third = request_bytes("relayed", request_id="r-3")
+        await infer(third, timeout=WAIT_S)
+        assert fake.calls[2] == third  # idle again: relayed as sent
+        assert running.gateway.relayed_calls() == {"relayed": 2}  # the first and the third
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{running.http_port}/v2/cluster") as response:
+                cluster = await response.json()
+        [shown] = [m["relay"] for m in cluster["models"] if m["name"] == "relayed"]
+        assert shown["on"] and shown["while_idle"] and shown["relayed_calls"] == 2
+
+
+def _queued(running: RunningGateway, model: str) -> bool:
+    batcher = running.gateway.batchers().get((model, "1"))
+    return batcher is not None and batcher.queue_depth() > 0
 
 
 async def test_the_response_cache_and_classification_keep_a_model_off_the_lane() -> None:

@@ -46,11 +46,20 @@ def lanes(gateway: GatewayConfig | None = None, *, cache_bytes: int = 0) -> tupl
     return made, router
 
 
-def test_tritons_that_batch_a_model_themselves_relay_it_and_the_bounds_learn_it() -> None:
+def test_tritons_that_batch_a_model_themselves_relay_it_while_idle_as_batches_of_one() -> None:
     made, router = lanes()
     verdict = made.verdict("m", info(config(has=["dynamic_batching"]), "triton", "triton"))
-    assert verdict.on and "dynamic_batching" in verdict.why
-    assert router.bounds.relayed == {"m"}
+    assert verdict.on and verdict.while_idle and "dynamic_batching" in verdict.why
+    # Its relayed calls take execution slots as batches of one: not counted apart.
+    assert router.bounds.relayed == set()
+
+
+def test_models_always_on_the_lane_have_their_calls_counted_apart() -> None:
+    made, router = lanes()
+    for name, cfg in (("seq", config(has=["sequence_batching"])), ("flat", config(max_batch_size=0))):
+        verdict = made.verdict(name, info(cfg, "triton"))
+        assert verdict.on and not verdict.while_idle
+    assert router.bounds.relayed == {"seq", "flat"}
 
 
 def test_a_model_the_gateway_batches_is_read() -> None:
