@@ -15,7 +15,10 @@ default least loaded) for every other call:
   the policy by :class:`PrefixStreamRouting` for the one call it routes
   (a context variable: the policy's signature carries no request);
 - a bounded LRU maps (model, key) to the worker address that served it;
-  that worker takes the prompt while it has a free generation slot;
+  that worker takes the prompt while it has a free generation slot and the
+  load is balanced (below); while it is far busier than another candidate,
+  the prompt goes to the least busy one and the route stays (SGLang's router
+  turns to the shortest queue while its workers are imbalanced);
 - otherwise (a new prefix, its worker full, gone or already tried by this
   call) the candidate with the most free slots takes it, and the LRU
   remembers it. While the load is balanced (the candidates' loads, streams
@@ -125,6 +128,7 @@ class PrefixAffinity:
         self._capacity = routes
         self.hits = 0  # prompts sent where their prefix went before
         self.misses = 0  # new prefixes, or their worker full or gone
+        self.diverted = 0  # sent elsewhere while their worker was far busier (the route kept)
 
     @property
     def remembered(self) -> int:
@@ -145,6 +149,14 @@ class PrefixAffinity:
         if address is not None:
             for w in candidates:
                 if w.address == address and w not in avoid and (free[w] or 0) > 0:
+                    mine = _load(w, model, bounds)
+                    least = min(_load(o, model, bounds) for o in candidates if o not in avoid and (free[o] or 0) > 0)
+                    if not _balanced([mine, least]):  # the route's worker far busier than the least busy
+                        # Its worker is far busier than another: this prompt goes to the least busy (a cache
+                        # miss there) and the route stays, as SGLang's router turns to the shortest queue.
+                        self.diverted += 1
+                        pool = [o for o in candidates if o not in avoid and (free[o] or 0) > 0]
+                        return min(pool, key=lambda o: _load(o, model, bounds))
                     self._routes.move_to_end(current)
                     self.hits += 1
                     return w

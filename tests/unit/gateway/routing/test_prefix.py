@@ -100,10 +100,15 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_served_it() -> None:
     chooser = PrefixAffinity(First())
     first = choose(chooser, b"system prompt: tell me a story", [b, a])
     assert first is b
-    for _ in range(3):  # still b while it has free slots, even when a is idler
+    for _ in range(BALANCE_SLACK):  # still b while the load stays balanced, even when a is idler
         b.inflight += 1
         assert choose(chooser, b"system prompt: tell me a story", [a, b]) is b
-    assert chooser.hits == 3 and chooser.misses == 1
+    assert chooser.hits == BALANCE_SLACK and chooser.misses == 1
+    b.inflight += 1  # b far busier than a: this one goes to a, and the route stays on b
+    assert choose(chooser, b"system prompt: tell me a story", [a, b]) is a
+    assert chooser.diverted == 1
+    b.inflight -= 1
+    assert choose(chooser, b"system prompt: tell me a story", [a, b]) is b
 
 
 def test_a_new_prefix_goes_to_the_worker_with_the_most_free_slots() -> None:
