@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,16 @@ class SuiteSettings:
         # A smoke run of the whole pipeline in well under a minute; numbers are rough.
         return cls(model_repository, quick=True, window_ms=500, max_trials=3, stability_pct=50.0, warmup_s=0.2,
                    latency_window_ms=300, latency_rounds=1, scale_workers=(1, 2))  # fmt: skip
+
+
+def copy_model(source: Path, root: Path, name: str, as_name: str, parameters: Mapping[str, str]) -> None:
+    """Model ``name`` of ``source`` as ``as_name`` under ``root``, with more config ``parameters``."""
+    shutil.copytree(source / name, root / as_name, dirs_exist_ok=True)
+    path = root / as_name / "config.pbtxt"
+    config = path.read_text().replace(f'name: "{name}"', f'name: "{as_name}"')
+    for key, value in parameters.items():
+        config += f'parameters {{\n  key: "{key}"\n  value {{\n    string_value: "{value}"\n  }}\n}}\n'
+    path.write_text(config)
 
 
 class SuiteContext:

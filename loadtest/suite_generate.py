@@ -29,7 +29,7 @@ from loadtest.config import BenchConfig, Protocol
 from loadtest.generate import GenLevel, gen_requests, make_gen_client
 from loadtest.stream_runner import run_stream_bench
 from loadtest.streaming import StreamLevelResult
-from loadtest.suite_context import SuiteContext, grpc_address
+from loadtest.suite_context import SuiteContext, copy_model, grpc_address
 from loadtest.suite_procs import ProcessGroup, SuiteError
 from loadtest.suite_report import Column, SectionResult
 
@@ -48,10 +48,7 @@ def write_repository(source: Path, root: Path) -> Path:
     """``tiny_lm`` and ``tiny_lm_serial`` (one sequence per decoder step) under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source / MODEL, root / MODEL, dirs_exist_ok=True)
-    shutil.copytree(source / MODEL, root / SERIAL, dirs_exist_ok=True)
-    config = (root / SERIAL / "config.pbtxt").read_text().replace(f'name: "{MODEL}"', f'name: "{SERIAL}"')
-    config += 'parameters {\n  key: "max_batch_sequences"\n  value {\n    string_value: "1"\n  }\n}\n'
-    (root / SERIAL / "config.pbtxt").write_text(config)
+    copy_model(source, root, MODEL, SERIAL, {"max_batch_sequences": "1"})
     return root
 
 

@@ -26,6 +26,7 @@ P``), over gRPC streams.
 from __future__ import annotations
 
 import re
+import shutil
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -38,7 +39,7 @@ from loadtest.config import BenchConfig, Protocol
 from loadtest.generate import GenLevel, gen_requests, make_gen_client
 from loadtest.stream_runner import run_stream_bench
 from loadtest.streaming import StreamLevelResult
-from loadtest.suite_context import SuiteContext, grpc_address
+from loadtest.suite_context import SuiteContext, copy_model, grpc_address
 from loadtest.suite_procs import ProcessGroup, Service, SuiteError
 from loadtest.suite_report import Column, SectionResult
 
@@ -88,8 +89,6 @@ def _config_text(name: str, shape: Any, parameters: dict[str, str]) -> str:
 def write_repository(source: Path, root: Path) -> Path:
     """``prefix_lm`` (cache on), ``prefix_lm_cold`` (off), ``prefix_lm_fleet`` (a fleet worker's cache size),
     and ``tiny_lm`` with its cold twin."""
-    import shutil
-
     from models.decoder import build_tiny_lm
 
     shape = _shape()
@@ -102,10 +101,7 @@ def write_repository(source: Path, root: Path) -> Path:
         (root / name / "1" / "model.onnx").write_bytes(graph)
         (root / name / "config.pbtxt").write_text(_config_text(name, shape, parameters))
     shutil.copytree(source / TINY, root / TINY, dirs_exist_ok=True)
-    shutil.copytree(source / TINY, root / TINY_COLD, dirs_exist_ok=True)
-    config = (root / TINY_COLD / "config.pbtxt").read_text().replace(f'name: "{TINY}"', f'name: "{TINY_COLD}"')
-    config += 'parameters {\n  key: "enable_prefix_caching"\n  value {\n    string_value: "false"\n  }\n}\n'
-    (root / TINY_COLD / "config.pbtxt").write_text(config)
+    copy_model(source, root, TINY, TINY_COLD, {"enable_prefix_caching": "false"})
     return root
 
 
