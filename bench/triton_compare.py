@@ -120,7 +120,7 @@ def summarize(level: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--executors", type=int, default=min(4, os.cpu_count() or 1),
@@ -133,13 +133,15 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--without-burst-hold", action="store_true",
                         help="also a gateway with batching.burst_hold_us 0 in front of the same worker")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def measure(args: argparse.Namespace, progress: Any = print) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every target at every level: target -> clients -> figures (req/s, latencies, CPU ms a request).
+    Raises RuntimeError where no real Triton runs here."""
     available, reason = triton_available()
     if not available:
-        print(f"triton_compare: no real Triton here: {reason}", file=sys.stderr)
-        return 2
-
+        raise RuntimeError(f"no real Triton here: {reason}")
     workdir = Path(tempfile.mkdtemp(prefix="infergate-triton-compare-"))
     procs: list[Any] = []
     try:
@@ -204,16 +206,25 @@ def main() -> int:
                 r["cpu_ms_per_request"] = cpu_s / wall_s / rps * 1000 if cpu_of and rps else None
                 batch = r["server_avg_batch"]
                 cpu = r["cpu_ms_per_request"]
-                print(f"{name:<32} c={concurrency:<3} {rps:8.0f} req/s  "
-                      f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  errors {r['errors']}  "
-                      f"server batch {batch if batch is None else round(batch, 1)}  "
-                      f"CPU {'-' if cpu is None else f'{cpu:.3f}'} ms/req", flush=True)
+                progress(f"{name:<32} c={concurrency:<3} {rps:8.0f} req/s  "
+                         f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  errors {r['errors']}  "
+                         f"server batch {batch if batch is None else round(batch, 1)}  "
+                         f"CPU {'-' if cpu is None else f'{cpu:.3f}'} ms/req")
     finally:
         # Gateways first, then the servers behind them.
         for proc in reversed(procs):
             proc.stop(check=False)
         shutil.rmtree(workdir, ignore_errors=True)
+    return results
 
+
+def main() -> int:
+    args = parse_args()
+    try:
+        results = measure(args, lambda line: print(line, flush=True))
+    except RuntimeError as exc:
+        print(f"triton_compare: {exc}", file=sys.stderr)
+        return 2
     print()
     header = "| target | " + " | ".join(f"c={c} req/s | c={c} p99 ms | c={c} CPU ms/req"
                                        for c in args.concurrency) + " |"

@@ -24,7 +24,11 @@ stopped by it. Sections on this repository:
 - ``openai_servers``: a gateway in front of ``transformers serve`` against
   it direct, and infergate's worker on the same model's optimum export
   against it (time to first token, chunk gap, output tokens/s; 1 and 16
-  streams; needs ``transformers[serving]`` and ``optimum-onnx``).
+  streams; needs ``transformers[serving]`` and ``optimum-onnx``);
+- ``triton``: ``bench/triton_compare.py``: a real Triton server directly,
+  the gateway in front of it (relay lane and full path), the gateway in
+  front of a worker, ``serve`` and a bare Python gRPC server, with CPU per
+  request (needs the Triton server ``nvidia-pytriton`` bundles).
 
 More rows come from more sections: :func:`register_section` adds one (a
 ``SuiteContext -> SectionResult`` function), e.g. model-parallel encoder rows;
@@ -59,6 +63,7 @@ from loadtest.suite_sections import run_batching, run_overhead
 from loadtest.suite_streaming import run_streaming
 from loadtest.suite_generate import run_generation
 from loadtest.suite_prefix import run_prefix
+from loadtest.suite_triton import run_triton
 from loadtest.suite_openai_servers import run_openai_servers
 
 log = logging.getLogger(__name__)
@@ -79,6 +84,7 @@ _SECTIONS: dict[str, SectionRunner] = {
     "generation": run_generation,
     "prefix": run_prefix,
     "openai_servers": run_openai_servers,
+    "triton": run_triton,
 }
 
 
