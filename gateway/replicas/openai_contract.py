@@ -25,6 +25,15 @@ KServe's generate extension, a gRPC stream).
   with its token count. Neither is part of the config (whose signature an
   infergate worker's export shares in one pool). A model that does not
   embed says so in the server's words (a 4xx).
+- a continuation (``gateway.routing.resume``): parameters ``resume_text``
+  (the text already sent) and ``resume_tokens`` (its tokens, one per
+  response sent) make the call go on from there: a prompt gets the text
+  appended, a chat gets it as a final assistant message to continue
+  (``continue_final_message``, ``add_generation_prompt: false``: vLLM's and
+  SGLang's extension of the chat API; a server without it refuses or
+  ignores the fields); ``max_tokens`` less the tokens sent; the final
+  usage counts the whole generation (the text's tokens move from the
+  prompt's count to the completion's).
 - :class:`ChunkReader`: each of the server's chunks (one SSE ``data:``
   event, or a whole JSON answer) -> the responses it makes: its text in
   ``text_output`` (split token by token when it carries the tokens' log
@@ -56,6 +65,8 @@ TEXT_OUTPUT = "text_output"
 EMBEDDING_REQUEST = "embedding_request"  # parameter: an embeddings request's JSON, but its model
 EMBEDDING_ANSWER = "embedding_answer"  # the server's answer to it, as it is
 MAX_SEQUENCES = "max_sequences"
+RESUME_TEXT = "resume_text"  # parameter: the text a lost server already sent, to go on from
+RESUME_TOKENS = "resume_tokens"  # parameter: how many tokens that text was (a response each)
 # The generation backend's inputs of a Hugging Face export, in its order (execution.backends.hf_export).
 _INPUTS = (("text_input", mc.TYPE_STRING, [1]), ("messages", mc.TYPE_STRING, [1]), ("max_tokens", mc.TYPE_INT32, [1]),
            ("temperature", mc.TYPE_FP32, [1]), ("top_p", mc.TYPE_FP32, [1]), ("seed", mc.TYPE_UINT64, [1]),
@@ -156,6 +167,8 @@ def openai_call(request: service_pb2.ModelInferRequest, model: str) -> tuple[str
         value = _scalar(inputs, parameters, name)
         if value is not None:
             body[name] = value
+    if RESUME_TEXT in parameters:
+        _continue(body, _text(parameters[RESUME_TEXT]), resumed_tokens(request))
     if "stop" in inputs:
         stops = [_text(v) for v in inputs["stop"].reshape(-1) if _text(v)]
     else:
@@ -172,6 +185,24 @@ def openai_call(request: service_pb2.ModelInferRequest, model: str) -> tuple[str
     if parameters.get("ignore_eos") is True:
         body["ignore_eos"] = True  # vLLM's and SGLang's extension; others may refuse it by name
     return path, body
+
+
+def resumed_tokens(request: service_pb2.ModelInferRequest) -> int:
+    """The tokens a continuation's text already counts (0 for a first call)."""
+    param = request.parameters.get(RESUME_TOKENS)
+    return max(0, param.int64_param) if param is not None else 0
+
+
+def _continue(body: dict[str, Any], text: str, tokens: int) -> None:
+    """``body`` made to go on after ``text`` (``tokens`` of it), as the same generation."""
+    if "messages" in body:
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        body["continue_final_message"], body["add_generation_prompt"] = True, False
+    else:
+        body["prompt"] += text
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        body["max_tokens"] = max(1, max_tokens - tokens)
 
 
 # --- the server's chunks as responses ----------------------------------------------------
@@ -307,4 +338,9 @@ class ChunkReader:
         return self._error(500, str(error))
 
     def final(self) -> service_pb2.ModelInferResponse:
-        return final_response(self._request, self.finish_reason, self.prompt_tokens, self.completion_tokens)
+        prompt, completion = self.prompt_tokens, self.completion_tokens
+        resumed = resumed_tokens(self._request)
+        if resumed:  # a continuation: the text sent before was counted in its prompt
+            prompt = None if prompt is None else max(0, prompt - resumed)
+            completion = None if completion is None else completion + resumed
+        return final_response(self._request, self.finish_reason, prompt, completion)

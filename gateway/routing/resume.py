@@ -20,9 +20,11 @@ token).
 
 Which streams: those of a model whose config names the generation backend
 (``backend: "generate"``: ``tiny_lm``, Hugging Face exports), read once as
-the stream starts (:meth:`Resumes.generation`). Any other decoupled model's
-stream ends with ``StreamLost`` as before: nothing says its request can be
-continued. Only a lost replica resumes: a request fault, the deadline, an
+the stream starts (:meth:`Resumes.generation`), and the generations of an
+OpenAI-protocol server's model (``backend: "openai"``), which go on as a
+continuation of the text sent (:class:`TextGeneration`). Any other
+decoupled model's stream ends with ``StreamLost`` as before: nothing says
+its request can be continued. Only a lost replica resumes: a request fault, the deadline, an
 in-stream model error or a busy refusal ends the stream as it did.
 
 Bounds: a resume is an extra attempt of the call. A stream resumes at most
@@ -34,6 +36,13 @@ moves the streams of one replica that is gone rather than adding load, and
 is bounded by the replicas. When a bound is reached, no replica not tried
 is left, or the continuation fails, the stream ends with ``StreamLost``
 naming the loss and why it did not resume.
+
+An OpenAI-protocol server takes no token ids: its continuation is the
+prompt with the text sent so far appended, or for a chat that text as a
+final assistant message to continue (``gateway.replicas.openai_contract``),
+with ``max_tokens`` less one token per response sent (vLLM and SGLang send a
+token a chunk); greedy text equals an uninterrupted run's where the
+server's tokenizer reads the joined text back as the tokens it wrote.
 
 Not carried over: a seeded sampling's continuation skips the draws the
 resumed tokens took, so it continues the same random sequence, but the
@@ -53,6 +62,9 @@ from gateway.fleet.view import WorkerState
 from gateway.replicas.replica import StreamItem
 from gateway.routing.hedging import AttemptPolicy
 from gateway.routing.tries import OpenStream, StreamLost
+from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
+from gateway.replicas.openai_contract import EMBEDDING_REQUEST, RESUME_TEXT, RESUME_TOKENS, TEXT_OUTPUT
+from protos.codec import deserialize_bytes_tensor
 from protos.errors import DeadlineExceeded, InferGateError
 from protos.generation_tokens import RESUME_TOKEN_IDS, TOKEN_IDS, join_texts
 
@@ -104,6 +116,37 @@ class Generation:
         return request
 
 
+class TextGeneration:
+    """A generation of an OpenAI-protocol server as it went out: its request and the text sent."""
+
+    __slots__ = ("request", "responses", "_texts", "_tokens")
+
+    def __init__(self, request: service_pb2.ModelInferRequest) -> None:
+        self.request = request
+        self.responses = 0
+        self._texts: list[bytes] = []
+        self._tokens = 0
+
+    def sent(self, response: service_pb2.ModelInferResponse) -> None:
+        """``response`` goes to the client: its text, if any, is a token of the generation."""
+        self.responses += 1
+        outputs = response.outputs
+        if outputs and outputs[0].name == TEXT_OUTPUT and response.raw_output_contents:
+            self._texts.extend(deserialize_bytes_tensor(response.raw_output_contents[0]).tolist())
+            self._tokens += 1
+
+    def continuation(self) -> service_pb2.ModelInferRequest:
+        """The request that goes on from here: the same one, after the text sent (``openai_contract``)."""
+        request = service_pb2.ModelInferRequest()
+        request.CopyFrom(self.request)
+        before = request.parameters.get(RESUME_TEXT)  # an earlier continuation's text comes first
+        text = (before.string_param if before is not None else "") + b"".join(self._texts).decode("utf-8", "replace")
+        request.parameters[RESUME_TEXT].string_param = text
+        earlier = request.parameters[RESUME_TOKENS].int64_param if RESUME_TOKENS in request.parameters else 0
+        request.parameters[RESUME_TOKENS].int64_param = earlier + self._tokens
+        return request
+
+
 class Resumes:
     """The router's resumes of generations: which streams may resume, and each one's loop."""
 
@@ -115,13 +158,17 @@ class Resumes:
 
     @staticmethod
     def generation(config: model_config_pb2.ModelConfig | None,
-                   request: service_pb2.ModelInferRequest) -> Generation | None:  # fmt: skip
-        """A :class:`Generation` to follow ``request``'s stream by, when its model's backend can resume it."""
-        if config is None or config.backend != GENERATE_BACKEND:
+                   request: service_pb2.ModelInferRequest) -> Generation | TextGeneration | None:  # fmt: skip
+        """What to follow ``request``'s stream by, when its model's backend can resume it."""
+        if config is None:
             return None
-        return Generation(request)
+        if config.backend == GENERATE_BACKEND:
+            return Generation(request)
+        if config.backend == OPENAI_BACKEND and EMBEDDING_REQUEST not in request.parameters:
+            return TextGeneration(request)
+        return None
 
-    async def responses(self, model: str, generation: Generation, opened: OpenStream, reopen: Reopen,
+    async def responses(self, model: str, generation: Generation | TextGeneration, opened: OpenStream, reopen: Reopen,
                         deadline: float | None) -> AsyncIterator[StreamItem]:  # fmt: skip
         """Every response of the generation: ``opened``'s, then, after each lost replica, its continuation's."""
         tried: set[WorkerState] = set()
@@ -148,7 +195,7 @@ class Resumes:
         finally:
             await opened.close()
 
-    async def _resume(self, model: str, generation: Generation, lost: StreamLost, reopen: Reopen,
+    async def _resume(self, model: str, generation: Generation | TextGeneration, lost: StreamLost, reopen: Reopen,
                       tried: set[WorkerState], resumes: int, deadline: float | None) -> OpenStream:  # fmt: skip
         """The continuation, open on a replica not tried, or the loss (``StreamLost``) saying why not."""
         policy = self._policy

@@ -12,12 +12,15 @@ official ``openai`` client:
   is idle; prompts with one prefix go to one server;
 - a 4xx is the request's: passed back in the server's words, charged to
   no server (none ejected); a 503 is retried on the others; a stream cut
-  mid-way ends with a clear error and the server is marked down;
+  mid-way goes on on another server as a continuation of the text sent
+  (a prompt with the text appended; a chat with it as the assistant's
+  message to continue), with the whole generation's usage, and the cut
+  server is marked down;
 - ``/v1/embeddings`` goes on to a server and its answer comes back as it
   gave it (strings, token ids, base64); a model that does not embed is the
   server's 400, charged to none;
-- a server killed mid-stream: its stream ends with an error naming it,
-  new requests go to the other, it is marked down.
+- a server killed mid-stream: its stream goes on on the other from the
+  next piece, new requests go to the other, it is marked down.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def test_models_streams_and_usage(fleet: tuple[Proc, dict[str, Proc]]) -> None:
     assert texts == [f"{server}:{i} " for i in range(5)]  # the server's chunks, one by one
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
-    assert chunks[-1].usage.prompt_tokens == 2  # the server's count, not the gateway's
+    assert chunks[-1].usage.prompt_tokens == 4  # the server's count (every message's words), not the gateway's
     call = _calls(stubs[server])[-1]
     assert call["path"] == "/v1/chat/completions"
     body = call["body"]
@@ -208,18 +211,34 @@ def test_server_faults(fleet: tuple[Proc, dict[str, Proc]]) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model="base", prompt="boom", max_tokens=2)
     assert info.value.status_code == 503 and "engine exploded" in str(info.value)
-    # A stream cut mid-way: a clear error after the chunks sent; that server is marked down.
-    got: list[str] = []
-    with pytest.raises(openai.APIError) as cut:
-        for chunk in client.completions.create(model="base", prompt="cut here", max_tokens=6, stream=True):
-            got.append(chunk.choices[0].text)
-    server = _server("".join(got))
-    assert got == [f"{server}:0 ", f"{server}:1 "]
-    assert "was lost during the stream" in str(cut.value)
-    address = f"127.0.0.1:{stubs[server].ready['port']}"
-    # Marked down at once; the probe brings it back (it is alive): its failure is counted.
+    # A stream cut mid-way goes on on another server, from where it was: no gap, no repeat, the
+    # usage of the whole generation. The cut server is marked down; the probe brings it back.
+    chunks = list(client.completions.create(model="base", prompt="cut here ", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    got = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    first, then = (piece.split(":")[0] for piece in (got[0], got[-1]))
+    assert first != then
+    assert got == [f"{first}:0 ", f"{first}:1 "] + [f"{then}:{i} " for i in range(2, 6)]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 6)
+    continued = _calls(stubs[then])[-1]["body"]
+    assert continued["prompt"] == f"cut here {first}:0 {first}:1 " and continued["max_tokens"] == 4
+    address = f"127.0.0.1:{stubs[first].ready['port']}"
     poll(lambda: _cluster(gateway)[address]["state"] == "ready", "the cut server back")
     assert _cluster(gateway)[address]["load"]["failures"] >= 1
+    # A chat goes on as the continuation of the assistant's message (vLLM's continue_final_message).
+    chunks = list(client.chat.completions.create(model="base", messages=[{"role": "user", "content": "cut now"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    got = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    first, then = (piece.split(":")[0] for piece in (got[0], got[-1]))
+    assert first != then and got == [f"{first}:0 ", f"{first}:1 "] + [f"{then}:{i} " for i in range(2, 5)]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 5)
+    continued = _calls(stubs[then])[-1]["body"]
+    assert continued["messages"] == [{"role": "user", "content": "cut now"},
+                                     {"role": "assistant", "content": f"{first}:0 {first}:1 "}]
+    assert continued["continue_final_message"] is True and continued["add_generation_prompt"] is False
+    assert continued["max_tokens"] == 3
+    address = f"127.0.0.1:{stubs[first].ready['port']}"
+    poll(lambda: _cluster(gateway)[address]["state"] == "ready", "the cut server back")
 
 
 def test_server_killed_mid_stream(tmp_path: Path) -> None:
@@ -231,22 +250,26 @@ def test_server_killed_mid_stream(tmp_path: Path) -> None:
         held = iter(client.completions.create(model="base", prompt="slow", max_tokens=4, stream=True))
         victim = _server(next(held).choices[0].text)
         survivor = ({"A", "B"} - {victim}).pop()
+        for _ in range(3):  # the survivor's pieces of the continuation, let through ahead
+            requests.post(f"{_url(stubs[survivor])}/release", timeout=10)
+        rest: list[str] = []
         errors: list[BaseException] = []
 
-        def rest() -> None:
+        def read() -> None:
             try:
-                for _ in held:
-                    pass
+                rest.extend(chunk.choices[0].text for chunk in held)
             except openai.APIError as e:
                 errors.append(e)
 
-        reader = threading.Thread(target=rest)
+        reader = threading.Thread(target=read)
         reader.start()
         stubs[victim].kill()
         reader.join(WAIT_S)
         assert not reader.is_alive()
+        # The stream went on on the survivor from the next piece: no error, no gap, no repeat.
+        assert errors == [] and "".join(rest) == "".join(f"{survivor}:{i} " for i in range(1, 4))
+        assert _calls(stubs[survivor])[-1]["body"]["prompt"] == f"slow{victim}:0 "
         address = f"127.0.0.1:{stubs[victim].ready['port']}"
-        assert len(errors) == 1 and address in str(errors[0]) and "lost" in str(errors[0])
         served = {_server(client.completions.create(model="base", prompt=f"after {i}", max_tokens=2)
                           .choices[0].text) for i in range(4)}
         assert served == {survivor}

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.replicas.errors import WorkerBusy
 from gateway.replicas.openai_contract import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDING_ANSWER, EMBEDDING_REQUEST,
-                                              EMBEDDINGS_PATH, ChunkReader, embedding_response, model_config,
+                                              EMBEDDINGS_PATH, RESUME_TEXT, RESUME_TOKENS, ChunkReader, embedding_response, model_config,
                                               model_metadata, openai_call)
 from gateway.replicas.openai_server import OpenAIServer
 from gateway.replicas.server_metrics import server_load
@@ -47,6 +47,27 @@ def test_a_chat_goes_as_its_messages_with_the_sampling_fields() -> None:
     assert body == {"model": "served-name", "stream": True, "stream_options": {"include_usage": True},
                     "messages": messages, "max_tokens": 5, "temperature": 0.5, "seed": 7, "stop": ["a", "b"],
                     "logprobs": True, "top_logprobs": 2}
+
+
+def test_a_continuation_goes_on_after_the_text_sent_and_counts_the_whole_generation() -> None:
+    request = _request(text_input="once upon", max_tokens=6)
+    request.parameters[RESUME_TEXT].string_param = " a time"
+    request.parameters[RESUME_TOKENS].int64_param = 2
+    path, body = openai_call(request, "m")
+    assert (path, body["prompt"], body["max_tokens"]) == (COMPLETIONS_PATH, "once upon a time", 4)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = _request(messages=orjson.dumps(messages).decode())  # no max_tokens: none is sent
+    chat.parameters[RESUME_TEXT].string_param = "Hel"
+    chat.parameters[RESUME_TOKENS].int64_param = 1
+    path, body = openai_call(chat, "m")
+    assert path == CHAT_PATH and "max_tokens" not in body
+    assert body["messages"] == [*messages, {"role": "assistant", "content": "Hel"}]
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    # The server counted the text sent in its prompt; the final response moves it to the completion.
+    reader = ChunkReader(request, OpenAIServer("h:1").error)
+    reader.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}})
+    final = reader.final()
+    assert (final.parameters["prompt_tokens"].int64_param, final.parameters["completion_tokens"].int64_param) == (3, 6)
 
 
 def test_a_prompt_goes_as_a_completion() -> None:
