@@ -11,6 +11,11 @@ writes them and the gateway reads them, so a generation can go on elsewhere.
   (a JSON list, or a list where parameters are JSON), to continue after
   them: prefilled after the prompt, counted toward ``max_tokens`` and the
   usage, their text not sent again (``execution.backends.generate``).
+- ``resume_text`` and ``resume_tokens``, request parameters: the text a
+  generation already sent and how many tokens it was, for a replica that
+  takes no ids (an OpenAI-protocol server continues after the text) or
+  when no ids were named (a stream begun on such a server, which names
+  none: the generation backend tokenizes the text as its ids).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Iterable, Sequence
 
 TOKEN_IDS = "token_ids"
 RESUME_TOKEN_IDS = "resume_token_ids"
+RESUME_TEXT = "resume_text"
+RESUME_TOKENS = "resume_tokens"
 
 
 def ids_text(ids: Sequence[int]) -> str:

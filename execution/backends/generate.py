@@ -28,7 +28,9 @@ sent (every ``token_ids`` received, in order; ``protos.generation_tokens``). The
 prompt and count toward ``max_tokens`` and ``completion_tokens``; their text
 is not sent again, and what follows is what the uninterrupted generation
 would have sent (``generate_scheduler``). ``prompt_tokens`` stays the
-prompt's.
+prompt's. Without ids, the parameter ``resume_text`` (the text a generation
+already sent, as an OpenAI-protocol server in the same pool sends it: no
+ids) is tokenized as them.
 
 Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 ``max_cache_bytes`` (KV cache they may reserve, default 64 MiB),
@@ -81,7 +83,7 @@ from execution.backends.vocabulary import ByteVocabulary, Vocabulary, as_bytes, 
 from execution.backends.run_errors import classify_run_error
 from execution.devices import cpu_count, cuda_device_count
 from protos.errors import InvalidArgument
-from protos.generation_tokens import RESUME_TOKEN_IDS, TOKEN_IDS, ids_text, parse_ids
+from protos.generation_tokens import RESUME_TEXT, RESUME_TOKEN_IDS, TOKEN_IDS, ids_text, parse_ids
 
 logger = logging.getLogger(__name__)
 
@@ -407,6 +409,8 @@ class GenerateInstance:
         prompt = vocabulary.prompt_ids(inputs)
         params = sampling_params(inputs, context.parameters, self._defaults)
         resume = resume_ids(context.parameters, vocabulary.size, self.scheduler.eos_ids)
+        if not resume and RESUME_TEXT in context.parameters:  # begun where no ids were named: its text's
+            resume = vocabulary.text_ids(str(context.parameters[RESUME_TEXT]))
         name_tokens = context.parameters.get(TOKEN_IDS, False)
         if not isinstance(name_tokens, bool):
             raise InvalidArgument(f"parameter '{TOKEN_IDS}' must be a bool")

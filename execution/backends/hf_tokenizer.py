@@ -258,6 +258,9 @@ class TokenizerVocabulary:
     def token_info(self, token: int) -> TokenInfo:
         return self.text.token_info(token)
 
+    def text_ids(self, text: str) -> list[int]:
+        return list(self.text.tokenizer.encode(text, add_special_tokens=False).ids)
+
 
 class Detokenizer:
     """One sequence's tokens -> its text, piece by piece, never splitting a character.

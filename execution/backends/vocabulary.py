@@ -53,6 +53,10 @@ class Vocabulary(Protocol):
         """A token's text and bytes, as log probabilities name it."""
         ...
 
+    def text_ids(self, text: str) -> list[int]:
+        """Generated text's ids (``resume_text``), with no special tokens."""
+        ...
+
     @property
     def size(self) -> int:
         """The ids a request may name (``resume_token_ids``): 0 to size - 1."""
@@ -85,6 +89,9 @@ class ByteVocabulary:
     def token_info(self, token: int) -> TokenInfo:
         data = _token_bytes(token)
         return TokenInfo(data.decode("utf-8", errors="replace"), data)
+
+    def text_ids(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
 
 class _ByteText:

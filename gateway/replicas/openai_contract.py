@@ -55,6 +55,7 @@ from tritonclient.grpc import service_pb2
 
 from protos.codec import decode, serialize_bytes_tensor
 from protos.errors import InferGateError, InvalidArgument
+from protos.generation_tokens import RESUME_TEXT, RESUME_TOKENS
 from protos.triton_words import set_final
 
 BACKEND = "openai"
@@ -65,8 +66,6 @@ TEXT_OUTPUT = "text_output"
 EMBEDDING_REQUEST = "embedding_request"  # parameter: an embeddings request's JSON, but its model
 EMBEDDING_ANSWER = "embedding_answer"  # the server's answer to it, as it is
 MAX_SEQUENCES = "max_sequences"
-RESUME_TEXT = "resume_text"  # parameter: the text a lost server already sent, to go on from
-RESUME_TOKENS = "resume_tokens"  # parameter: how many tokens that text was (a response each)
 # The generation backend's inputs of a Hugging Face export, in its order (execution.backends.hf_export).
 _INPUTS = (("text_input", mc.TYPE_STRING, [1]), ("messages", mc.TYPE_STRING, [1]), ("max_tokens", mc.TYPE_INT32, [1]),
            ("temperature", mc.TYPE_FP32, [1]), ("top_p", mc.TYPE_FP32, [1]), ("seed", mc.TYPE_UINT64, [1]),

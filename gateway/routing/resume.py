@@ -22,7 +22,7 @@ Which streams: those of a model whose config names the generation backend
 (``backend: "generate"``: ``tiny_lm``, Hugging Face exports), read once as
 the stream starts (:meth:`Resumes.generation`), and the generations of an
 OpenAI-protocol server's model (``backend: "openai"``), which go on as a
-continuation of the text sent (:class:`TextGeneration`). Any other
+continuation of the text sent. Any other
 decoupled model's stream ends with ``StreamLost`` as before: nothing says
 its request can be continued. Only a lost replica resumes: a request fault, the deadline, an
 in-stream model error or a busy refusal ends the stream as it did.
@@ -37,12 +37,16 @@ is bounded by the replicas. When a bound is reached, no replica not tried
 is left, or the continuation fails, the stream ends with ``StreamLost``
 naming the loss and why it did not resume.
 
-An OpenAI-protocol server takes no token ids: its continuation is the
-prompt with the text sent so far appended, or for a chat that text as a
+An OpenAI-protocol server takes no token ids, so the continuation names
+the text sent too (``resume_text``); the server goes on from the prompt with
+that text appended, or for a chat that text as a
 final assistant message to continue (``gateway.replicas.openai_contract``),
 with ``max_tokens`` less one token per response sent (vLLM and SGLang send a
 token a chunk); greedy text equals an uninterrupted run's where the
-server's tokenizer reads the joined text back as the tokens it wrote.
+server's tokenizer reads the joined text back as the tokens it wrote. In
+one pool of both kinds a stream may go from one kind to the other: the
+generation backend goes on after the ids where every token named them,
+else after the text, which it tokenizes.
 
 Not carried over: a seeded sampling's continuation skips the draws the
 resumed tokens took, so it continues the same random sequence, but the
@@ -54,7 +58,7 @@ equal. Log probabilities already sent are not sent again.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from tritonclient.grpc import model_config_pb2, service_pb2
 
@@ -63,10 +67,10 @@ from gateway.replicas.replica import StreamItem
 from gateway.routing.hedging import AttemptPolicy
 from gateway.routing.tries import OpenStream, StreamLost
 from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
-from gateway.replicas.openai_contract import EMBEDDING_REQUEST, RESUME_TEXT, RESUME_TOKENS, TEXT_OUTPUT
+from gateway.replicas.openai_contract import EMBEDDING_REQUEST, TEXT_OUTPUT
 from protos.codec import deserialize_bytes_tensor
 from protos.errors import DeadlineExceeded, InferGateError
-from protos.generation_tokens import RESUME_TOKEN_IDS, TOKEN_IDS, join_texts
+from protos.generation_tokens import RESUME_TEXT, RESUME_TOKEN_IDS, RESUME_TOKENS, TOKEN_IDS, join_texts, parse_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +81,16 @@ Reopen = Callable[[service_pb2.ModelInferRequest, set[WorkerState]], Awaitable[O
 
 
 class Generation:
-    """One generation's stream as it went out: its request and the tokens its responses named."""
+    """One generation's stream as it went out: its request, and the token ids and text its responses carried.
 
-    __slots__ = ("request", "responses", "_named", "_keep_ids")
+    The continuation names both: the ids (``resume_token_ids``) for the
+    generation backend, while every token's response named its ids, and the
+    text (``resume_text``, ``resume_tokens``) for an OpenAI-protocol server,
+    which names none; in one pool of both, a stream may go from either kind
+    to the other (the generation backend tokenizes the text where no ids
+    came)."""
+
+    __slots__ = ("request", "responses", "_named", "_texts", "_unnamed", "_keep_ids")
 
     def __init__(self, request: service_pb2.ModelInferRequest) -> None:
         """Follows ``request``, which it changes to ask its replica to name each response's tokens."""
@@ -87,8 +98,11 @@ class Generation:
         self.responses = 0
         # Each response's ``token_ids`` as sent (JSON list texts), joined only if the stream resumes.
         self._named: list[str] = []
+        self._texts: list[bytes] = []  # each text response's raw ``text_output``, read only if it resumes
         parameters = request.parameters
-        if RESUME_TOKEN_IDS in parameters:  # the client's own continuation: its ids come first
+        # Text responses that named no ids (an OpenAI server's), counted on from an earlier continuation's.
+        self._unnamed = parameters[RESUME_TOKENS].int64_param if _continued_without_ids(parameters) else 0
+        if RESUME_TOKEN_IDS in parameters:  # the client's own continuation, or an earlier one: its ids come first
             self._named.append(parameters[RESUME_TOKEN_IDS].string_param)
         # The ids go on to the client only if it asked for them itself: a parameter on every
         # token costs the frontends their plain path for it.
@@ -96,55 +110,50 @@ class Generation:
         parameters[TOKEN_IDS].bool_param = True
 
     def sent(self, response: service_pb2.ModelInferResponse) -> None:
-        """``response`` goes to the client (once per token: a lookup, an append, a delete)."""
+        """``response`` goes to the client (once per token: a few lookups, an append or two)."""
         self.responses += 1
         parameters = response.parameters
-        if TOKEN_IDS in parameters:
+        named = TOKEN_IDS in parameters
+        if named:
             self._named.append(parameters[TOKEN_IDS].string_param)
             if not self._keep_ids:
                 del parameters[TOKEN_IDS]
+        raws = response.raw_output_contents
+        if raws and response.outputs[0].name == TEXT_OUTPUT:
+            self._texts.append(raws[0])
+            if not named:
+                self._unnamed += 1
 
     def token_ids(self) -> str:
         """Every id named so far, as one JSON list."""
         return join_texts(self._named)
 
+    def text(self) -> str:
+        """Every piece of text sent so far (an earlier continuation's first)."""
+        before = self.request.parameters.get(RESUME_TEXT)
+        pieces = [item for raw in self._texts for item in deserialize_bytes_tensor(raw).tolist()]
+        return (before.string_param if before is not None else "") + b"".join(pieces).decode("utf-8", "replace")
+
     def continuation(self) -> service_pb2.ModelInferRequest:
-        """The request that goes on from here: the same one, with the ids sent as ``resume_token_ids``."""
+        """The request that goes on from here: the same one, after the ids and the text sent."""
         request = service_pb2.ModelInferRequest()
         request.CopyFrom(self.request)
-        request.parameters[RESUME_TOKEN_IDS].string_param = self.token_ids()
+        parameters = request.parameters
+        ids = self.token_ids()
+        parameters[RESUME_TEXT].string_param = self.text()
+        if self._unnamed:  # some tokens came with no ids: the text is the one whole account
+            if RESUME_TOKEN_IDS in parameters:
+                del parameters[RESUME_TOKEN_IDS]
+            parameters[RESUME_TOKENS].int64_param = self._unnamed + len(parse_ids(ids))
+        else:
+            parameters[RESUME_TOKEN_IDS].string_param = ids
+            parameters[RESUME_TOKENS].int64_param = len(parse_ids(ids))
         return request
 
 
-class TextGeneration:
-    """A generation of an OpenAI-protocol server as it went out: its request and the text sent."""
-
-    __slots__ = ("request", "responses", "_texts", "_tokens")
-
-    def __init__(self, request: service_pb2.ModelInferRequest) -> None:
-        self.request = request
-        self.responses = 0
-        self._texts: list[bytes] = []
-        self._tokens = 0
-
-    def sent(self, response: service_pb2.ModelInferResponse) -> None:
-        """``response`` goes to the client: its text, if any, is a token of the generation."""
-        self.responses += 1
-        outputs = response.outputs
-        if outputs and outputs[0].name == TEXT_OUTPUT and response.raw_output_contents:
-            self._texts.extend(deserialize_bytes_tensor(response.raw_output_contents[0]).tolist())
-            self._tokens += 1
-
-    def continuation(self) -> service_pb2.ModelInferRequest:
-        """The request that goes on from here: the same one, after the text sent (``openai_contract``)."""
-        request = service_pb2.ModelInferRequest()
-        request.CopyFrom(self.request)
-        before = request.parameters.get(RESUME_TEXT)  # an earlier continuation's text comes first
-        text = (before.string_param if before is not None else "") + b"".join(self._texts).decode("utf-8", "replace")
-        request.parameters[RESUME_TEXT].string_param = text
-        earlier = request.parameters[RESUME_TOKENS].int64_param if RESUME_TOKENS in request.parameters else 0
-        request.parameters[RESUME_TOKENS].int64_param = earlier + self._tokens
-        return request
+def _continued_without_ids(parameters: Mapping[str, service_pb2.InferParameter]) -> bool:
+    """A continuation whose tokens the text alone accounts for (no ids came for some of them)."""
+    return RESUME_TEXT in parameters and RESUME_TOKEN_IDS not in parameters
 
 
 class Resumes:
@@ -158,17 +167,16 @@ class Resumes:
 
     @staticmethod
     def generation(config: model_config_pb2.ModelConfig | None,
-                   request: service_pb2.ModelInferRequest) -> Generation | TextGeneration | None:  # fmt: skip
+                   request: service_pb2.ModelInferRequest) -> Generation | None:  # fmt: skip
         """What to follow ``request``'s stream by, when its model's backend can resume it."""
         if config is None:
             return None
-        if config.backend == GENERATE_BACKEND:
+        if config.backend == GENERATE_BACKEND or (config.backend == OPENAI_BACKEND
+                                                   and EMBEDDING_REQUEST not in request.parameters):
             return Generation(request)
-        if config.backend == OPENAI_BACKEND and EMBEDDING_REQUEST not in request.parameters:
-            return TextGeneration(request)
         return None
 
-    async def responses(self, model: str, generation: Generation | TextGeneration, opened: OpenStream, reopen: Reopen,
+    async def responses(self, model: str, generation: Generation, opened: OpenStream, reopen: Reopen,
                         deadline: float | None) -> AsyncIterator[StreamItem]:  # fmt: skip
         """Every response of the generation: ``opened``'s, then, after each lost replica, its continuation's."""
         tried: set[WorkerState] = set()
@@ -195,7 +203,7 @@ class Resumes:
         finally:
             await opened.close()
 
-    async def _resume(self, model: str, generation: Generation | TextGeneration, lost: StreamLost, reopen: Reopen,
+    async def _resume(self, model: str, generation: Generation, lost: StreamLost, reopen: Reopen,
                       tried: set[WorkerState], resumes: int, deadline: float | None) -> OpenStream:  # fmt: skip
         """The continuation, open on a replica not tried, or the loss (``StreamLost``) saying why not."""
         policy = self._policy

@@ -66,3 +66,29 @@ def test_running_sequences_and_cache_per_worker(up: Proc) -> None:
     # Every stream ended (cancelled or finished): the worker's figures come back to 0.
     poll(lambda: figures(up, worker) == dict.fromkeys(WORKER_GAUGES, 0.0), "generation figures back to 0",
          timeout_s=60.0)
+
+
+def test_a_continuation_named_by_its_text_alone_goes_on_as_by_its_ids(up: Proc) -> None:
+    """A stream begun on an OpenAI-protocol server names no ids; its continuation on an infergate
+    worker names the text sent (``resume_text``), which the worker tokenizes as the ids."""
+    stream = GenStream(f"127.0.0.1:{up.ready['grpc_port']}")
+    try:
+        full = stream.generate("tiny_lm", "whole", "Once upon", max_tokens=12, parameters={"ignore_eos": True})
+        assert full.error is None and full.completion_tokens == 12
+        cut = next(k for k in range(4, len(full.tokens)) if _utf8(b"".join(full.tokens[:k])))
+        sent = b"".join(full.tokens[:cut])
+        rest = stream.generate("tiny_lm", "rest", "Once upon", max_tokens=12,
+                               parameters={"ignore_eos": True, "resume_text": sent.decode()})
+        assert rest.error is None
+        assert sent + rest.text == full.text  # no byte twice, none missing
+        assert (rest.prompt_tokens, rest.completion_tokens) == (full.prompt_tokens, 12)
+    finally:
+        stream.close()
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -6,8 +6,9 @@ through it (slow: two ``transformers serve`` take ~20 s to start here):
 
 - six chats stream at once, two on each server (each bounded at two
   streams), chunk by chunk, with usage;
-- one ``transformers serve`` killed mid-run: its streams end with an error
-  naming it, the others finish, new requests go to the others, it is down;
+- one ``transformers serve`` killed mid-run: its streams go on elsewhere as
+  continuations of the text sent (no error), the others finish, new
+  requests go to the others, it is down;
 - a 4xx of ``transformers serve`` (it has no ``/v1/completions``) is passed
   back in its words and charged to no server.
 """
@@ -28,7 +29,7 @@ import requests
 
 from tests.fixtures.hf_serve import Served, is_ready, missing, transformers_serve
 from tests.harness import Proc, start, start_worker, worker_url
-from tests.integration.gateway.stream_clients import WAIT_S, poll
+from tests.integration.gateway.stream_clients import WAIT_S, metric, poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -129,14 +130,14 @@ def test_mixed_pool_streams_and_a_server_killed(pool: tuple[Proc, list[Served], 
     for t in threads:
         t.join(WAIT_S * 3)
         assert not t.is_alive()
-    lost = [r for r in runs if r.error is not None]
-    assert len(lost) == running, [str(r.error) for r in lost]
-    for r in lost:
-        assert victim.address in str(r.error) and "lost" in str(r.error) and r.chunks
+    # Its streams went on elsewhere as continuations of the text sent (on the other transformers serve,
+    # which reads the continued message as a finished turn, or on the worker, which continues it).
+    assert [str(r.error) for r in runs if r.error is not None] == []
     for r in runs:
-        if r.error is None:
-            assert r.finish in ("length", "stop") and r.chunks
-            assert r.usage is not None and r.usage.completion_tokens > 0
+        assert r.finish in ("length", "stop") and r.chunks
+        assert r.usage is not None and r.usage.completion_tokens > 0
+    http = f"127.0.0.1:{gateway.ready['http_port']}"
+    assert metric(http, "infergate_stream_resumes_total", 'model="llama"') == running
     after = _cluster(gateway)
     assert after[victim.address]["state"] == "down"
     sent = {a: w["load"]["batches_sent"] for a, w in after.items()}
@@ -149,7 +150,7 @@ def test_mixed_pool_streams_and_a_server_killed(pool: tuple[Proc, list[Served], 
     assert sum(w["load"]["batches_sent"] for w in later.values()) == sum(sent.values()) + 4
 
     # A 4xx of the server (transformers serve has no /v1/completions): its words, no one charged.
-    survivor = servers[1].address
+    survivor = next(s.address for s in servers if s is not victim)
     failures = later[survivor]["load"]["failures"]
     with pytest.raises(openai.NotFoundError, match="Not Found"):
         client.completions.create(model="tiny-tf", prompt="hello", max_tokens=4)

@@ -11,13 +11,14 @@ from tritonclient.grpc import service_pb2
 
 from gateway.replicas.errors import WorkerBusy
 from gateway.replicas.openai_contract import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDING_ANSWER, EMBEDDING_REQUEST,
-                                              EMBEDDINGS_PATH, RESUME_TEXT, RESUME_TOKENS, ChunkReader, embedding_response, model_config,
+                                              EMBEDDINGS_PATH, ChunkReader, embedding_response, model_config,
                                               model_metadata, openai_call)
 from gateway.replicas.openai_server import OpenAIServer
 from gateway.replicas.server_metrics import server_load
 from gateway.settings import ConfigError, WorkerSpec
 from protos.codec import deserialize_bytes_tensor, serialize_bytes_tensor
 from protos.errors import Internal, InvalidArgument, ModelNotFound, NotFound, Unavailable
+from protos.generation_tokens import RESUME_TEXT, RESUME_TOKENS
 from protos.triton_words import is_final
 
 

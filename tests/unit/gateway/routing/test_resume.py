@@ -16,16 +16,16 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.fleet.cluster import Cluster, WorkerStatus
 from gateway.replicas.errors import ModelStreamError, WorkerUnreachable
-from gateway.replicas.openai_contract import EMBEDDING_REQUEST, RESUME_TEXT, RESUME_TOKENS, TEXT_OUTPUT
+from gateway.replicas.openai_contract import EMBEDDING_REQUEST, TEXT_OUTPUT
 from gateway.replicas.replica import StreamItem
-from gateway.routing.resume import Generation, Resumes, TextGeneration
+from gateway.routing.resume import Generation, Resumes
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.streams import StreamLost
 from gateway.settings import WorkerSpec
 from protos.errors import InferGateError, Unavailable
 from protos.codec import serialize_bytes_tensor
-from protos.generation_tokens import RESUME_TOKEN_IDS, TOKEN_IDS, parse_ids
+from protos.generation_tokens import RESUME_TEXT, RESUME_TOKEN_IDS, RESUME_TOKENS, TOKEN_IDS, parse_ids
 from protos.triton_words import FINAL_RESPONSE
 from tests.unit.gateway.fleet.test_cluster import FakeWorker
 
@@ -313,29 +313,44 @@ def test_a_generation_follows_the_ids_its_responses_named_and_continues_after_th
     assert out.parameters[TOKEN_IDS].string_param == "[5]"  # a client that asked gets them
 
 
+def _text(piece: bytes, **parameters: str) -> service_pb2.ModelInferResponse:
+    out = response("g", **parameters)
+    out.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
+    out.raw_output_contents.append(serialize_bytes_tensor(np.array([piece], dtype=np.object_)))
+    return out
+
+
 def test_an_openai_servers_generation_continues_after_the_text_sent() -> None:
     config = model_config_pb2.ModelConfig(name="m", backend="openai")
     embedding = generate_request()
     embedding.parameters[EMBEDDING_REQUEST].string_param = '{"input": "x"}'
     assert Resumes.generation(config, embedding) is None  # one answer, nothing to continue
     generation = Resumes.generation(config, generate_request(8))
-    assert isinstance(generation, TextGeneration)
-    for piece in ("Hel", "lo", "", "é"):
-        out = service_pb2.ModelInferResponse(model_name="m", id="g")
-        out.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
-        out.raw_output_contents.append(serialize_bytes_tensor(np.array([piece.encode()], dtype=np.object_)))
-        generation.sent(out)
+    assert isinstance(generation, Generation)
+    for piece in (b"Hel", b"lo", "é".encode()):
+        generation.sent(_text(piece))  # an OpenAI server names no ids
     generation.sent(response("g"))  # the final one: no text, no token
     continuation = generation.continuation()
     assert continuation.parameters[RESUME_TEXT].string_param == "Helloé"
-    assert continuation.parameters[RESUME_TOKENS].int64_param == 4 and generation.responses == 5
+    assert continuation.parameters[RESUME_TOKENS].int64_param == 3 and generation.responses == 4
+    assert RESUME_TOKEN_IDS not in continuation.parameters  # no ids came: the text is the account
     assert RESUME_TEXT not in generation.request.parameters  # the original is left as it was
-    # A second loss: the text of both servers, in order, and every token.
-    again = TextGeneration(continuation)
-    out = service_pb2.ModelInferResponse(model_name="m", id="g")
-    out.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
-    out.raw_output_contents.append(serialize_bytes_tensor(np.array([b" world"], dtype=np.object_)))
-    again.sent(out)
+    # Lost again on an infergate worker that named its ids: the ids alone would miss the first three
+    # tokens, so the text (both servers', in order) and every token go on.
+    again = Generation(continuation)
+    again.sent(_text(b" world", **{TOKEN_IDS: "[9]"}))
     last = again.continuation()
     assert (last.parameters[RESUME_TEXT].string_param, last.parameters[RESUME_TOKENS].int64_param) == \
-        ("Helloé world", 5)
+        ("Helloé world", 4)
+    assert RESUME_TOKEN_IDS not in last.parameters
+
+
+def test_a_generation_that_named_every_id_continues_after_ids_and_text() -> None:
+    generation = Resumes.generation(model_config_pb2.ModelConfig(name="m", backend="generate"), generate_request(8))
+    assert generation is not None
+    generation.sent(_text(b"ab", **{TOKEN_IDS: "[5,6]"}))
+    generation.sent(_text(b"c", **{TOKEN_IDS: "[7]"}))
+    continuation = generation.continuation()
+    assert parse_ids(continuation.parameters[RESUME_TOKEN_IDS].string_param) == [5, 6, 7]
+    assert continuation.parameters[RESUME_TEXT].string_param == "abc"  # for an OpenAI server in the pool
+    assert continuation.parameters[RESUME_TOKENS].int64_param == 3
