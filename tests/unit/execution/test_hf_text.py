@@ -153,3 +153,12 @@ def test_stop_tokens_and_defaults_come_from_generation_config(hf_llama_source: P
     (sampled / "generation_config.json").write_text('{"do_sample": true, "top_p": 0}')
     with pytest.raises(InvalidArgument, match="out of range"):
         read_export(sampled, "llama")
+
+
+def test_a_continuation_s_text_reads_back_as_its_ids_with_no_special_tokens(hf_llama_source: Path) -> None:
+    text, hf = HFText(hf_llama_source, "llama"), _hf(hf_llama_source)
+    vocabulary = TokenizerVocabulary(text)
+    sent = " once upon a time, wörld ✓"
+    ids = vocabulary.text_ids(sent)
+    assert ids == hf(sent, add_special_tokens=False)["input_ids"] and hf.bos_token_id not in ids
+    assert hf.decode(ids) == sent
