@@ -250,7 +250,8 @@ def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> C
 def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool = False) -> Router:
     retry = config.retry
     # Streams of generative models go where their prompt's prefix went (gateway.routing.prefix).
-    chooser: ReplicaChooser = PrefixAffinity(LeastLoaded()) if config.prefix_routing else LeastLoaded()
+    affinity = PrefixAffinity(LeastLoaded()) if config.prefix_routing else None
+    chooser: ReplicaChooser = affinity or LeastLoaded()
     if local_first:  # the replica in this process while it has a free slot
         chooser = LocalFirst(chooser)
     return Router(
@@ -264,6 +265,7 @@ def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool =
         outliers=OutlierDetector(config.outlier),
         hedging=config.hedge, per_model=config.models, row_costs=RowCosts(config.batching.light_row_ms / 1000),
         chooser=chooser,  # the replica choice policy
+        prefix_affinity=affinity,
     )
 
 

@@ -292,6 +292,23 @@ class GatewayCollector(Collector):
             for model, n in sorted(counts.items()):
                 family.add_metric([model], n)
         yield from (resumed, failed)
+        yield from self._prefix_routes()
+
+    def _prefix_routes(self) -> Iterator[Metric]:
+        """Generative prompts routed by their prefix (``gateway.routing.prefix``), where that is on."""
+        affinity = getattr(self._gw.router, "prefix_affinity", None)
+        if affinity is None:
+            return
+        routed = CounterMetricFamily(
+            "infergate_prefix_routes",
+            "Generative prompts by how their prefix routed them: followed (to the worker their prefix went to), "
+            "new (a new prefix, or its worker full or gone), diverted (their worker far busier than another)",
+            labels=["outcome"])
+        for outcome, n in (("followed", affinity.hits), ("new", affinity.misses), ("diverted", affinity.diverted)):
+            routed.add_metric([outcome], n)
+        remembered = GaugeMetricFamily("infergate_prefix_routes_remembered", "Prefixes the gateway keeps a route for")
+        remembered.add_metric([], affinity.remembered)
+        yield from (routed, remembered)
 
 
 def _generation(models: list[tuple[tuple[str, str], ModelStreams]]) -> Iterator[Metric]:

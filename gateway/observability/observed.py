@@ -33,6 +33,7 @@ class ObservedRouter(Protocol):
     outliers: Any
     row_costs: Any
     resumes: Any  # generations resumed (``resumed``) and not (``not_resumed``), by model
+    prefix_affinity: Any  # prompts routed by prefix (``hits``, ``misses``, ``diverted``, ``remembered``), or None
 
     def worker_stats(self) -> Iterable[Any]: ...
 

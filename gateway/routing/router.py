@@ -100,8 +100,11 @@ class Router:
         per_model: Mapping[str, Mapping[str, Any]] | None = None,
         row_costs: RowCosts | None = None,
         chooser: ReplicaChooser | None = None,
+        prefix_affinity: Any = None,
     ) -> None:
         self.cluster = cluster
+        # The chooser's prefix routes where it keeps them (gateway.routing.prefix), read by /metrics.
+        self.prefix_affinity = prefix_affinity
         self._clock: Clock = clock or LoopClock()
         self._rng = rng or random.Random()
         self.retry_budget = retry_budget or RetryBudget()

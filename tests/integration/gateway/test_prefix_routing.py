@@ -1,7 +1,8 @@
 """Prefix-aware routing of generation (gateway/routing/prefix.py) with two real
 workers serving ``tiny_lm`` behind ``infergate up``: prompts that share their
-opening bytes land on one worker, as the workers' own statistics count them;
-distinct prompts sent together spread over both."""
+opening bytes land on one worker, as the workers' own statistics count them
+and the gateway's ``infergate_prefix_routes_total`` says; distinct prompts
+sent together spread over both."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.harness import Proc, start
+from tests.integration.gateway.stream_clients import metric
 from tests.integration.workers.gen_client import GenStream
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +47,12 @@ def served(proc: Proc) -> dict[str, int]:
     return counts
 
 
+def routes(proc: Proc) -> dict[str, float]:
+    """The gateway's prefix routes by outcome, from its /metrics."""
+    url = f"127.0.0.1:{proc.ready['http_port']}"
+    return {k: metric(url, "infergate_prefix_routes_total", f'outcome="{k}"') for k in ("followed", "new", "diverted")}
+
+
 def delta(before: dict[str, int], after: dict[str, int]) -> list[int]:
     return [after[a] - before[a] for a in sorted(before)]
 
@@ -52,11 +60,16 @@ def delta(before: dict[str, int], after: dict[str, int]) -> list[int]:
 def test_prompts_sharing_a_prefix_land_on_one_worker(cluster: Proc) -> None:
     stream = GenStream(f"127.0.0.1:{cluster.ready['grpc_port']}")
     try:
-        before = served(cluster)
+        before, routed = served(cluster), routes(cluster)
         for i in range(6):
             g = stream.generate("tiny_lm", f"shared-{i}", f"{SHARED}what is {i} plus {i}?", max_tokens=4)
             assert g.error is None and g.finish_reason in ("stop", "length")
         assert sorted(delta(before, served(cluster))) == [0, 6]
+        # The gateway's /metrics count it: one new prefix, then five prompts that followed it.
+        now = routes(cluster)
+        assert {k: now[k] - routed[k] for k in now} == {"followed": 5, "new": 1, "diverted": 0}
+        remembered = metric(f"127.0.0.1:{cluster.ready['http_port']}", "infergate_prefix_routes_remembered")
+        assert remembered >= 1
     finally:
         stream.close()
 
