@@ -63,11 +63,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway.fleet.view import WorkerState
+from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
+from gateway.replicas.openai_contract import EMBEDDING_REQUEST, TEXT_OUTPUT
 from gateway.replicas.replica import StreamItem
 from gateway.routing.hedging import AttemptPolicy
 from gateway.routing.tries import OpenStream, StreamLost
-from gateway.replicas.openai_contract import BACKEND as OPENAI_BACKEND
-from gateway.replicas.openai_contract import EMBEDDING_REQUEST, TEXT_OUTPUT
 from protos.codec import deserialize_bytes_tensor
 from protos.errors import DeadlineExceeded, InferGateError
 from protos.generation_tokens import RESUME_TEXT, RESUME_TOKEN_IDS, RESUME_TOKENS, TOKEN_IDS, join_texts, parse_ids
