@@ -17,7 +17,12 @@ Starts, on this machine:
 * a bare ``grpc.aio`` server that answers every call with a prebuilt reply
   (``loadtest.echo_server``, copied from the worker's answer, no model run):
   the most any Python gRPC server reaches on this machine with these
-  clients, the floor of every Python server's work per request.
+  clients, the floor of every Python server's work per request;
+* a bare ``grpc.aio`` proxy in front of the same Triton server
+  (``bench/proxy_floor.py --serve-proxy``: each call's bytes forwarded and the
+  reply's bytes returned, unparsed, no routing, no batching): the floor of
+  any Python gateway in front of Triton, one server side and one client call
+  a request, which the relay lane's rate and CPU are read against.
 
 Both servers get the same number of single-threaded ONNX Runtime executors
 (Triton: instances of the model; the worker: execution threads), so the
@@ -25,7 +30,7 @@ comparison is of the serving paths, not of thread counts. Then
 ``infergate bench`` (closed loop, gRPC, batch 1) measures each target at each
 concurrency level, targets interleaved per level so drift in the machine's
 load hits all three alike: Triton directly, the gateway to Triton, the
-gateway to the worker, ``serve``, the bare echo server. Beside each rate, the
+gateway to the worker, ``serve``, the bare echo server, the bare proxy. Beside each rate, the
 CPU milliseconds per request of the process that answers the client (the
 gateway, where one is in front; Triton with its backend stubs when direct):
 its CPU time over the level divided by the wall time and the level's rate, so
@@ -172,6 +177,8 @@ def measure(args: argparse.Namespace, progress: Any = print) -> dict[str, dict[i
         procs.append(serve)
         echo = start(["--like", worker_url(worker), "--model", MODEL], module="loadtest.echo_server")
         procs.append(echo)
+        proxy = start(["--serve-proxy", triton.grpc_url], module="bench.proxy_floor")
+        procs.append(proxy)
         targets = {
             "triton direct": triton.grpc_url,
             "gateway -> triton (relay lane)": f"127.0.0.1:{gateways['triton'].ready['grpc_port']}",
@@ -179,6 +186,7 @@ def measure(args: argparse.Namespace, progress: Any = print) -> dict[str, dict[i
             "gateway -> infergate worker": f"127.0.0.1:{gateways['worker'].ready['grpc_port']}",
             "infergate serve": worker_url(serve),
             "bare grpc.aio echo, no model": worker_url(echo),
+            "bare grpc.aio proxy -> triton": f"127.0.0.1:{proxy.ready['grpc_port']}",
         }
         # Whose CPU each row reports: the process the client talks to.
         answering = {
@@ -188,6 +196,7 @@ def measure(args: argparse.Namespace, progress: Any = print) -> dict[str, dict[i
             "gateway -> infergate worker": (gateways["worker"].pid, cpu_seconds),
             "infergate serve": (serve.pid, cpu_seconds),
             "bare grpc.aio echo, no model": (echo.pid, cpu_seconds),
+            "bare grpc.aio proxy -> triton": (proxy.pid, cpu_seconds),
         }
         if args.without_burst_hold:  # the same gateway without batching.burst_hold_us, for a before/after
             targets["gateway -> worker, no burst hold"] = (

@@ -105,15 +105,18 @@ def test_a_missing_package_fails_the_section_naming_it(monkeypatch: pytest.Monke
 
 
 def test_the_triton_section_reads_each_target_against_triton_and_the_bare_server() -> None:
-    from loadtest.suite_triton import DIRECT, FLOOR, triton_rows
+    from loadtest.suite_triton import DIRECT, FLOOR, PROXY, triton_rows
 
     def level(rps: float, cpu: float | None) -> dict[str, object]:
         return {"throughput_rps": rps, "p99_ms": 2.0, "cpu_ms_per_request": cpu, "errors": 0}
 
     rows = triton_rows({DIRECT: {1: level(1000, 0.5), 64: level(8000, 0.1)},
                         "gateway -> triton (relay lane)": {1: level(400, 1.0), 64: level(2000, 0.5)},
-                        FLOOR: {1: level(1300, 0.25), 64: level(2500, None)}})
+                        FLOOR: {1: level(1300, 0.25), 64: level(2500, None)},
+                        PROXY: {1: level(500, 0.8)}})
     lane = {r["clients"]: r for r in rows if r["target"] == "gateway -> triton (relay lane)"}
     assert lane[1]["vs_triton"] == pytest.approx(0.4) and lane[1]["cpu_vs_floor"] == pytest.approx(4.0)
+    assert lane[1]["vs_proxy"] == pytest.approx(0.8) and lane[1]["cpu_vs_proxy"] == pytest.approx(1.25)
     assert lane[64]["vs_triton"] == pytest.approx(0.25) and lane[64]["cpu_vs_floor"] is None  # no floor figure
+    assert lane[64]["vs_proxy"] is None  # the proxy was not measured at 64
     assert [r["target"] for r in rows].count(DIRECT) == 2
