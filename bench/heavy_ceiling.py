@@ -15,6 +15,15 @@ default setup formed (its server statistics' mean batch), on every core
 while the servers idle (``bench/ort_ceiling.py``). Ratio = rows/s over the
 better of the two ceilings.
 
+The floor, in the same rounds: ``heavy_io``, an identity model with
+``heavy``'s shapes (the same bytes in and out a row, no compute), through the
+default setup, with the CPU a row of the client, the gateway and its worker
+together (``/proc`` and the client's rusage over the level); and the CPU a
+row of ONNX Runtime itself (this process's CPU over the side-by-side level).
+On ``C`` shared cores a served row costs both, so no served rate passes
+``C / (ORT + I/O)`` rows/s, while in-process ONNX Runtime reaches
+``C / ORT``: the cap on the ratio is ``ORT / (ORT + I/O)``, printed last.
+
 Run: ``python bench/heavy_ceiling.py [--clients 16] [--rounds 3]``. The
 clients share the machine with the servers: read the ratios within one run.
 """
@@ -23,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +49,7 @@ from onnx import TensorProto  # noqa: E402
 from bench.closed_loop import add_level_arguments, bench, build_bench_repository, load_average, run_rounds  # noqa: E402
 from bench.ort_ceiling import OrtCeiling  # noqa: E402
 from execution.devices import cpu_count  # noqa: E402
+from loadtest.suite_procs import tree_cpu_seconds  # noqa: E402
 from models.build import ExampleModel  # noqa: E402
 from models.graph_builder import GraphBuilder  # noqa: E402
 from tests.harness import Proc, start, worker_url  # noqa: E402
@@ -58,7 +70,38 @@ def build_heavy() -> onnx.ModelProto:
     return g.model()
 
 
+def build_heavy_io() -> onnx.ModelProto:
+    """``heavy``'s input and output, no compute: what the bytes of a row cost to serve."""
+    g = GraphBuilder("heavy_io", seed=9)
+    x = g.input("INPUT", TensorProto.FLOAT, ["batch", POSITIONS, WIDTH])
+    g.op("Identity", x, out="OUTPUT")
+    g.output("OUTPUT", TensorProto.FLOAT, ["batch", POSITIONS, WIDTH])
+    return g.model()
+
+
 HEAVY = ExampleModel("heavy", build_heavy, max_batch_size=16, dynamic_batching=True)
+HEAVY_IO = ExampleModel("heavy_io", build_heavy_io, max_batch_size=16, dynamic_batching=True)
+DEFAULT = "adaptive (default)"
+IO_FLOOR = "I/O alone (heavy_io, default)"
+
+
+def with_cpu(measure: Any, pids: list[int], duration_s: float | None = None) -> dict[str, Any]:
+    """``measure()``'s level with ``cpu_ms_per_row``: the CPU of ``pids``' process trees and of this
+    process's finished children (the bench client) over the level, or this process's own CPU when no
+    pids are named (in-process ONNX Runtime), per row served (over ``duration_s`` where the level's
+    rate is over that window rather than the wall time)."""
+    def cpu() -> float:
+        if not pids:
+            return time.process_time()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return sum(tree_cpu_seconds(pid) for pid in pids) + children.ru_utime + children.ru_stime
+
+    before, wall = cpu(), time.monotonic()
+    r = measure()
+    spent, wall = cpu() - before, time.monotonic() - wall
+    rows = r["rps"] * (duration_s or wall)
+    r["cpu_ms_per_row"] = spent / rows * 1000 if rows else math.nan
+    return r
 SETUPS = {
     "adaptive (default)": ([], ""),
     "per_instance": (["--worker-arg=--backend-option", "--worker-arg=cpu_sessions=per_instance"], ""),
@@ -77,7 +120,7 @@ def main() -> int:
     load_before = load_average()
     try:
         repo = workdir / "models"
-        build_bench_repository(repo, ["heavy"], extra=(HEAVY,))
+        build_bench_repository(repo, ["heavy", "heavy_io"], extra=(HEAVY, HEAVY_IO))
         for name, (flags, config) in SETUPS.items():
             extra = list(flags)
             if config:
@@ -90,18 +133,21 @@ def main() -> int:
         ceiling = OrtCeiling(repo, "heavy")
         seen = {"batch": 1}
 
-        def at(name: str) -> Any:
+        def at(name: str, model: str = "heavy") -> Any:
             def run() -> dict[str, Any]:
-                r = bench(worker_url(procs[name]), "heavy", args.clients, args, level)
-                if name == "adaptive (default)":
+                r = with_cpu(lambda: bench(worker_url(procs[name]), model, args.clients, args, level),
+                             [procs[name].pid])
+                if name == DEFAULT and model == "heavy":
                     seen["batch"] = 1 if math.isnan(r["avg_batch"]) else max(1, round(r["avg_batch"]))
                 return r
             return run
 
+        window_s = args.measurement_ms / 1000
         contenders: dict[str, Any] = {name: at(name) for name in SETUPS}
-        contenders["ORT wide"] = lambda: ceiling.level(seen["batch"], "wide", args.measurement_ms / 1000)
-        contenders["ORT side by side"] = lambda: ceiling.level(seen["batch"], "side_by_side",
-                                                               args.measurement_ms / 1000)
+        contenders[IO_FLOOR] = at(DEFAULT, "heavy_io")
+        contenders["ORT wide"] = lambda: with_cpu(lambda: ceiling.level(seen["batch"], "wide", window_s), [])
+        contenders["ORT side by side"] = lambda: with_cpu(
+            lambda: ceiling.level(seen["batch"], "side_by_side", window_s), [])
         got = run_rounds(contenders, args.rounds, f"heavy {args.clients} clients")
     finally:
         for proc in procs.values():
@@ -110,12 +156,18 @@ def main() -> int:
     best = max(("ORT wide", "ORT side by side"), key=lambda k: got[k]["rps"])
     print(f"\n{cpu_count()} cores; load average before {load_before}, after {load_average()}; "
           f"{ceiling.describe}")
-    print("| setup | rows/s | mean batch | p50 ms | ratio to the better ORT |")
-    print("|---|---:|---:|---:|---:|")
-    for name in (*SETUPS, "ORT wide", "ORT side by side"):
+    print("| setup | rows/s | mean batch | p50 ms | CPU ms a row | ratio to the better ORT |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in (*SETUPS, IO_FLOOR, "ORT wide", "ORT side by side"):
         r = got[name]
+        ratio = "-" if name == IO_FLOOR else f"{r['rps'] / got[best]['rps']:.2f}"
         print(f"| {name} | {r['rps']:.0f} | {r['avg_batch']:.1f} | {r.get('p50_ms', math.nan):.2f} | "
-              f"{r['rps'] / got[best]['rps']:.2f} |")
+              f"{r['cpu_ms_per_row']:.2f} | {ratio} |")
+    ort, io = got["ORT side by side"]["cpu_ms_per_row"], got[IO_FLOOR]["cpu_ms_per_row"]
+    print(f"\nThe floor: ONNX Runtime {ort:.2f} ms of CPU a row, the bytes of a row through client, gateway and "
+          f"worker {io:.2f} ms: on shared cores a served row costs both, so the ratio cannot pass "
+          f"{ort:.2f} / ({ort:.2f} + {io:.2f}) = {ort / (ort + io):.2f}; measured {got[DEFAULT]['rps'] / got[best]['rps']:.2f} "
+          f"({DEFAULT}).")
     return 0
 
 

@@ -60,7 +60,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtest.suite_procs import cpu_seconds
+from loadtest.suite_procs import cpu_seconds, tree_cpu_seconds
 from models.build import build_repository
 from models.triton import build_triton_repository
 from tests.harness import Proc, start, start_worker, worker_url
@@ -96,20 +96,6 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> di
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     [level] = json.loads(out.read_text())["levels"]
     return level
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid`` and every process below it (Triton's Python backend stubs), from /proc."""
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        total += cpu_seconds(current) or 0.0
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                todo.extend(int(child) for child in task.read_text().split())
-            except OSError:
-                continue
-    return total
 
 
 def summarize(level: dict[str, Any]) -> dict[str, Any]:

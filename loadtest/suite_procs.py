@@ -56,6 +56,21 @@ def cpu_seconds(pid: int) -> float | None:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process below it (a Triton server's Python backend stubs, the
+    workers of ``up``), from /proc."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += cpu_seconds(current) or 0.0
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in task.read_text().split())
+            except OSError:
+                continue
+    return total
+
+
 def machine_busy_seconds() -> float | None:
     """CPU seconds all cores together have spent not idle since boot (``/proc/stat``)."""
     try:
