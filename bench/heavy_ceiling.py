@@ -85,11 +85,10 @@ DEFAULT = "adaptive (default)"
 IO_FLOOR = "I/O alone (heavy_io, default)"
 
 
-def with_cpu(measure: Any, pids: list[int], duration_s: float | None = None) -> dict[str, Any]:
+def with_cpu(measure: Any, pids: list[int]) -> dict[str, Any]:
     """``measure()``'s level with ``cpu_ms_per_row``: the CPU of ``pids``' process trees and of this
     process's finished children (the bench client) over the level, or this process's own CPU when no
-    pids are named (in-process ONNX Runtime), per row served (over ``duration_s`` where the level's
-    rate is over that window rather than the wall time)."""
+    pids are named (in-process ONNX Runtime), per row served at the level's rate over its wall time."""
     def cpu() -> float:
         if not pids:
             return time.process_time()
@@ -99,11 +98,13 @@ def with_cpu(measure: Any, pids: list[int], duration_s: float | None = None) -> 
     before, wall = cpu(), time.monotonic()
     r = measure()
     spent, wall = cpu() - before, time.monotonic() - wall
-    rows = r["rps"] * (duration_s or wall)
+    rows = r["rps"] * wall
     r["cpu_ms_per_row"] = spent / rows * 1000 if rows else math.nan
     return r
+
+
 SETUPS = {
-    "adaptive (default)": ([], ""),
+    DEFAULT: ([], ""),
     "per_instance": (["--worker-arg=--backend-option", "--worker-arg=cpu_sessions=per_instance"], ""),
     "shared": (["--worker-arg=--backend-option", "--worker-arg=cpu_sessions=shared"], ""),
     "adaptive, burst hold off": ([], "batching:\n  burst_hold_us: 0\n"),

@@ -7,15 +7,16 @@ gateway in front of Triton with the relay lane (``relay: auto``), one with
 ``relay: off``, one in front of the worker, ``infergate serve`` and a bare
 ``grpc.aio`` server answering a prebuilt reply (the floor of a Python
 server's work per request) and a bare ``grpc.aio`` proxy in front of the
-same Triton (the floor of any Python hop in front of it), and measures each at 1, 16 and 64 closed-loop
-gRPC clients with the CPU milliseconds per request of the process the
-client talks to. Rows add two ratios: req/s over Triton directly at the same
-level (the issue's targets: >= 0.5x at 1 and 16 clients, >= 0.55x at 64),
-and CPU per request over the bare server's (targets: <= 1.3x on the relay
-lane, <= 2x on the full path). Two more read each row against the bare
-proxy: its rate over the proxy's, and its CPU over the proxy's, so a
-target a Python hop cannot reach on the machine shows as one. Where no real Triton runs (not Linux x86_64,
-no ``nvidia-pytriton``) the section fails saying so and the others run.
+same Triton (the floor of any Python hop in front of it), and measures each
+at 1, 16 and 64 closed-loop gRPC clients with the CPU milliseconds per
+request of the process the client talks to. Rows add two ratios: req/s over
+Triton directly at the same level (the issue's targets: >= 0.5x at 1 and 16
+clients, >= 0.55x at 64), and CPU per request over the bare server's
+(targets: <= 1.3x on the relay lane, <= 2x on the full path). Two more read
+each row against the bare proxy: its rate over the proxy's, and its CPU over
+the proxy's, so a target a Python hop cannot reach on the machine shows as
+one. Where no real Triton runs (not Linux x86_64, no ``nvidia-pytriton``)
+the section fails saying so and the others run.
 """
 
 from __future__ import annotations
