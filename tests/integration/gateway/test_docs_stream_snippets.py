@@ -44,8 +44,21 @@ def stream_snippet(page: str, cluster: Proc) -> str:
 
 
 def run_snippet(code: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-u", "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # -X faulthandler: a snippet that hangs can be made to print every thread's stack (SIGABRT).
+    return subprocess.Popen([sys.executable, "-u", "-X", "faulthandler", "-c", code], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stacks_of_hung(snippet: subprocess.Popen[str]) -> str:
+    """What a snippet that did not exit in time was doing: its threads' stacks, as faulthandler
+    prints them on SIGABRT, and whatever it wrote before."""
+    snippet.send_signal(signal.SIGABRT)
+    try:
+        out, err = snippet.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        snippet.kill()
+        out, err = snippet.communicate()
+    return f"stdout:\n{out}\nstderr:\n{err}"
 
 
 def test_the_readme_snippet_prints_what_the_readme_says(cluster: Proc) -> None:
@@ -71,7 +84,10 @@ def test_ctrl_c_mid_stream_ends_the_snippet_at_once(cluster: Proc) -> None:
         assert snippet.stdout.readline() == "OUT=4 IDX=0 final=False\n"  # the stream is under way
         interrupted = time.monotonic()
         snippet.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends
-        _, err = snippet.communicate(timeout=15)  # well before the next response is due
+        try:
+            _, err = snippet.communicate(timeout=15)  # well before the next response is due
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit 15 s after Ctrl-C; {stacks_of_hung(snippet)}")
     finally:
         if snippet.poll() is None:
             snippet.kill()
