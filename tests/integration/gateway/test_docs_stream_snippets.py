@@ -43,10 +43,16 @@ def stream_snippet(page: str, cluster: Proc) -> str:
     return blocks[0].replace('"localhost:8001"', f'"{grpc_url(cluster)}"')
 
 
+# Ctrl-C as a terminal leaves it: a program started in a shell's background job (a suite run
+# with `make test &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler. The snippet starts through this, which sets SIGINT back to its default and execs it.
+_CTRL_C_AT_DEFAULT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+
+
 def run_snippet(code: str) -> subprocess.Popen[str]:
     # -X faulthandler: a snippet that hangs can be made to print every thread's stack (SIGABRT).
-    return subprocess.Popen([sys.executable, "-u", "-X", "faulthandler", "-c", code], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", _CTRL_C_AT_DEFAULT, sys.executable, "-u", "-X", "faulthandler",
+                             "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def stacks_of_hung(snippet: subprocess.Popen[str]) -> str:
