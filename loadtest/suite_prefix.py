@@ -16,9 +16,11 @@ P``), over gRPC streams.
 - **routing**: 8 openings over 2 workers, two gateways side by side (each with
   its own two workers, so neither warms the other's caches): one routing by
   prefix (the default), one least loaded (``prefix_routing: false``). Each
-  worker's ``max_cache_bytes`` holds its running sequences and about half the
-  openings' blocks (:data:`FLEET_OPENINGS_CACHED`): the fleet's caches hold
-  every opening only when each worker keeps its own half. The target: TTFT
+  worker's ``max_cache_bytes`` holds its running sequences and
+  :data:`FLEET_OPENINGS_CACHED` openings' blocks beside them (the openings of
+  the prompts running there are in those sequences' caches: 4.5 to 6.5 of
+  the 8 on a worker): the fleet's caches hold every opening only when each
+  worker keeps its own half. The target: TTFT
   p50 by prefix <= 0.7x least loaded. Each row gives the workers' own hit
   rate (``infergate_generation_prefix_cache_*`` from their ``/metrics``).
 """

@@ -256,8 +256,8 @@ def _generation_metrics(models: list[LoadedModel], labels: list[str]) -> Iterato
 
 class _PrefixFamilies:
     """The prefix caches' figures per model (those with one): tokens looked up and found (vLLM's
-    ``prefix_cache_queries`` / ``prefix_cache_hits``), requests with a hit, blocks and bytes cached,
-    blocks evicted."""
+    ``prefix_cache_queries`` / ``prefix_cache_hits``), requests with a hit, blocks cached (and of those,
+    held in running sequences' caches), the bytes of the cache's own copies, blocks evicted."""
 
     def __init__(self, labels: list[str]) -> None:
         self.queries = CounterMetricFamily("infergate_generation_prefix_cache_queries",
@@ -270,8 +270,12 @@ class _PrefixFamilies:
                                            "Prefix cache blocks evicted to make room", labels=labels)
         self.blocks = GaugeMetricFamily("infergate_generation_prefix_cache_blocks", "Prompt blocks cached now",
                                         labels=labels)
+        self.held = GaugeMetricFamily("infergate_generation_prefix_cache_held_blocks",
+                                      "Cached prompt blocks whose entries are in a running sequence's cache",
+                                      labels=labels)
         self.bytes = GaugeMetricFamily("infergate_generation_prefix_cache_bytes",
-                                       "KV cache held by cached prompt blocks, in bytes", labels=labels)
+                                       "KV cache taken by the prefix cache's own copies of blocks, in bytes",
+                                       labels=labels)
         self._any = False
 
     def add(self, key: list[str], samples: list[PrefixStats]) -> None:
@@ -283,11 +287,12 @@ class _PrefixFamilies:
         self.requests.add_metric(key, sum(s.hits for s in samples))
         self.evicted.add_metric(key, sum(s.evicted_blocks for s in samples))
         self.blocks.add_metric(key, sum(s.blocks for s in samples))
+        self.held.add_metric(key, sum(s.held_blocks for s in samples))
         self.bytes.add_metric(key, sum(s.bytes for s in samples))
 
     def families(self) -> Iterator[Metric]:
         if self._any:
-            yield from (self.queries, self.hits, self.requests, self.evicted, self.blocks, self.bytes)
+            yield from (self.queries, self.hits, self.requests, self.evicted, self.blocks, self.held, self.bytes)
 
 
 # ---- the endpoint -------------------------------------------------------------------

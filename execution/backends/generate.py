@@ -38,9 +38,10 @@ Config ``parameters``: ``max_sequences`` (admitted at once, default 32),
 comparison; default all), ``max_positions`` (the model's context),
 ``enable_prefix_caching`` (default true) and ``prefix_block_tokens``
 (default 16): the instance's prefix cache (``execution.backends.prefix_cache``),
-whose blocks :meth:`DecoderStep.extract` copies out of a prefill's arrays
-and :class:`DecoderStep` feeds back as the past of a prompt that opens with
-them.
+whose blocks stay in the arrays of the sequence that computed or read them
+while it runs, are copied out of them (:meth:`DecoderStep.extract`) when it
+ends or when another prompt opens with them, and are fed back by
+:class:`DecoderStep` as the past of a prompt that opens with them.
 
 A Hugging Face decoder as ``optimum`` exports it is served with no
 ``config.pbtxt`` (``execution.backends.hf_export``): its step has the

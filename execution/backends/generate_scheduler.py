@@ -41,10 +41,12 @@ has received are exactly those of the text it has.
 
 With a prefix cache (``execution.backends.prefix_cache``; the step is then
 a :class:`CachingStep`), a joiner's prefill starts after the cached blocks its
-prompt opens with (the row's past is their entries), and the full blocks it
-computed are stored after it ran. The blocks share ``max_cache_bytes`` with
-the sequences' reservations: admitting a sequence evicts unused blocks before
-refusing it, and a block is stored only where it fits beside them.
+prompt opens with (the row's past is their entries), and after it ran the
+sequence holds its prompt's full blocks: its cache is where their entries
+are while it runs (a prompt opening with them reads them out of it), and
+they are copied out into the prefix cache's own when it ends. The cache's
+own copies share ``max_cache_bytes`` with the sequences' reservations:
+admitting a sequence evicts unused blocks before refusing it.
 
 A generation continues where another left off (its worker was lost) when it
 is admitted with ``resume``: the ids already sent. They are prefilled after
@@ -203,7 +205,7 @@ class GenSequence:
         default_factory=collections.deque)
     sent_bytes: int = 0
     unnamed: list[int] = field(default_factory=list)  # tokens whose text went out with no response yet
-    prefix: PrefixMatch = NO_MATCH  # the cached blocks its prefill starts after (held until it ran)
+    prefix: PrefixMatch = NO_MATCH  # the cached blocks its prefill starts after (kept until it ran)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
@@ -390,18 +392,12 @@ class Scheduler:
         tokens = self._prefill_tokens(sequence)
         if self._prefix is None:
             return StepRow(tokens, 0, None)
-        sequence.prefix = match = self._prefix.match(tokens)
+        sequence.prefix = match = self._prefix.match(tokens, self._read_held)
         return StepRow(tokens[match.tokens:], match.tokens, match if match.blocks else None)
 
-    def _store_prefix(self, sequence: GenSequence, cache: object) -> None:
-        """Cache the full blocks of a prefill just run that were not cached yet."""
-        prefix, step = self._prefix, self._step
-        if prefix is None:
-            return
-        limit = self.limits.max_cache_bytes
-        prefix.store(self._prefill_tokens(sequence), sequence.prefix,
-                     lambda start, stop: step.extract(cache, start, stop),  # type: ignore[attr-defined]
-                     lambda size: self._reserved + prefix.bytes + size <= limit)
+    def _read_held(self, holder: object, start: int, stop: int) -> object:
+        """Positions ``start``..``stop`` of a running sequence's cache, copied out (a block it holds)."""
+        return self._step.extract(holder.cache, start, stop)  # type: ignore[attr-defined]
 
     async def _run_step(self, sequences: list[GenSequence], rows: list[StepRow], *, prefill: bool = False) -> None:
         step = self._step
@@ -421,8 +417,8 @@ class Scheduler:
                 self._finish(sequence, None)
                 continue
             sequence.cache, sequence.length = cache, row.position + len(row.tokens)
-            if prefill:
-                self._store_prefix(sequence, cache)
+            if prefill and self._prefix is not None:  # its cache holds its prompt's blocks from now on
+                self._prefix.hold(self._prefill_tokens(sequence), sequence.prefix, sequence)
             self._advance(sequence, logits)
 
     def _advance(self, sequence: GenSequence, logits: np.ndarray) -> None:
@@ -517,6 +513,8 @@ class Scheduler:
         else:
             return
         self._reserved -= sequence.reserved_bytes
+        if self._prefix is not None and sequence.cache is not None:
+            self._prefix.hand_back(sequence, self._read_held)  # into the room its reservation leaves
         sequence.cache = None
         if error is not None:
             sequence.emit(TokenOut(error=error))

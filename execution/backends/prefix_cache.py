@@ -10,25 +10,38 @@ every token before it. A request looks its prompt up before its prefill
 (:meth:`PrefixCache.match`): the longest run of cached blocks from the start,
 at most all but the prompt's last token (the prefill must compute at least
 one position, whose logits choose the first token). Its prefill then starts
-after them, with their entries as its past. After the prefill the prompt's
-full blocks that were not cached are stored (:meth:`PrefixCache.store`),
-copied out of the step's arrays, so the next prompt with the same opening
-finds them.
+after them, with their entries as its past.
 
-Each block counts the prefills using it now (``refs``); a block in use, or
-the parent of a cached block, is never evicted. The rest are evicted least
-recently used first when room is needed: room within the model's
-``max_cache_bytes``, which the cached blocks share with the running
-sequences' reservations (``generate_scheduler``: admitting a sequence evicts
-blocks before it refuses one; a block is stored only where it fits).
+A block's entries live in one place: in the cache's own copy, or in the
+cache of the running sequence whose positions they are (its *holder*).
+After a prefill its prompt's full blocks go to its sequence
+(:meth:`PrefixCache.hold`): those not cached yet are added without a copy,
+and a cached block it read drops the cache's copy, since the sequence's own
+cache holds the same positions for as long as it runs. A prompt that opens
+with a held block reads its entries out of the holder's cache. When the
+holder ends, its blocks are copied out of its cache into the cache's own
+(:meth:`PrefixCache.hand_back`), into the room its reservation leaves (it
+held at least their positions). So a running sequence's prefix takes its
+room once, as in a paged cache, where a sequence's blocks are the cached
+ones; unlike one, two sequences running on the same opening each hold a
+copy (a step's past is one contiguous array per row), the second inside its
+own reservation.
+
+Each block counts the prefills using it now (``refs``); a block in use, a
+held block, or the parent of a cached block, is never evicted. The rest are
+evicted least recently used first when room is needed: room within the
+model's ``max_cache_bytes``, which the cache's own copies share with the
+running sequences' reservations (``generate_scheduler``: admitting a
+sequence evicts blocks before it refuses one).
 
 The entries themselves are the step's (:class:`BlockEntries`: whatever its
 ``extract`` returns, ONNX Runtime arrays for ``generate``); this module keeps
-only keys, order, counts and sizes. Everything runs on the event loop thread.
+only keys, order, counts, holders and sizes. Everything runs on the event
+loop thread.
 
 Its figures (:class:`PrefixStats`): tokens looked up and tokens found (the
-hit rate, as vLLM counts it), requests with a hit, blocks and bytes cached,
-blocks evicted.
+hit rate, as vLLM counts it), requests with a hit, blocks cached (held ones
+among them) and the bytes of the cache's own copies, blocks evicted.
 """
 
 from __future__ import annotations
@@ -43,6 +56,10 @@ DEFAULT_BLOCK_TOKENS = 16
 
 #: What a step keeps of one block: its entries for the block's positions (opaque here).
 BlockEntries = object
+#: A running sequence whose cache holds a block's positions (opaque here; hashable by identity).
+Holder = object
+#: Positions ``start``..``stop`` of a holder's cache, copied out: ``read(holder, start, stop)``.
+ReadHeld = Callable[[Holder, int, int], BlockEntries]
 
 
 @dataclass(eq=False, slots=True)
@@ -52,7 +69,9 @@ class CachedBlock:
     key: bytes
     tokens: tuple[int, ...]
     parent: CachedBlock | None
-    entries: BlockEntries
+    start: int  # its first position in the prompt
+    entries: BlockEntries | None  # the cache's own copy; None while a holder's cache holds them
+    holder: Holder | None = None
     refs: int = 0  # prefills using it now
     children: int = 0  # cached blocks whose parent it is
 
@@ -64,27 +83,26 @@ class PrefixStats:
     queries: int  # prompts looked up
     hits: int  # of those, with at least one cached block
     blocks: int  # cached now
-    bytes: int  # what the cached blocks take
+    bytes: int  # what the cache's own copies take (a held block's entries are in its holder's room)
     evicted_blocks: int
+    held_blocks: int = 0  # of ``blocks``, those whose entries a running sequence's cache holds
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """A prompt's cached opening: its blocks (in order, each held until :meth:`PrefixCache.release`)."""
+    """A prompt's cached opening: its blocks (in order, each kept until :meth:`PrefixCache.release`)
+    and their entries (a held block's read out of its holder's cache when it was matched)."""
 
     blocks: tuple[CachedBlock, ...]
+    entries: tuple[BlockEntries, ...]
     block_tokens: int
 
     @property
     def tokens(self) -> int:
         return len(self.blocks) * self.block_tokens
 
-    @property
-    def entries(self) -> list[BlockEntries]:
-        return [b.entries for b in self.blocks]
 
-
-NO_MATCH = PrefixMatch((), DEFAULT_BLOCK_TOKENS)
+NO_MATCH = PrefixMatch((), (), DEFAULT_BLOCK_TOKENS)
 
 
 def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -101,19 +119,23 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()  # least recently used first
+        self._held: dict[Holder, list[CachedBlock]] = {}  # each holder's blocks
+        self._held_count = 0
         self._queried = self._hit_tokens = self._queries = self._hits = self._evicted = 0
 
     @property
     def bytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
+        """What the cache's own copies take (held blocks take their holders' room)."""
+        return (len(self._blocks) - self._held_count) * self.block_bytes
 
     def stats(self) -> PrefixStats:
         return PrefixStats(self._queried, self._hit_tokens, self._queries, self._hits, len(self._blocks), self.bytes,
-                           self._evicted)
+                           self._evicted, self._held_count)
 
-    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], read: ReadHeld) -> PrefixMatch:
         """The longest run of cached blocks ``tokens`` opens with, leaving at least its last token to
-        compute; each block is held (not evicted) until released."""
+        compute; each block is kept (not evicted) until released. A held block's entries are
+        ``read`` out of its holder's cache."""
         size = self.block_tokens
         found: list[CachedBlock] = []
         key = b""
@@ -132,52 +154,61 @@ class PrefixCache:
         if found:
             self._hits += 1
             self._hit_tokens += len(found) * size
-        return PrefixMatch(tuple(found), size)
+        entries = tuple(b.entries if b.holder is None else read(b.holder, b.start, b.start + size) for b in found)
+        return PrefixMatch(tuple(found), entries, size)
 
     def release(self, match: PrefixMatch) -> None:
         for block in match.blocks:
             block.refs -= 1
 
-    def store(self, tokens: Sequence[int], match: PrefixMatch, extract: Callable[[int, int], BlockEntries],
-              room: Callable[[int], bool]) -> int:
-        """Cache ``tokens``' full blocks after ``match``'s (their entries from ``extract(start, stop)``,
-        positions of the prefill just run), each where ``room(block_bytes)`` says it fits once
-        unused blocks are evicted; returns the blocks added. Stops at the first that does not fit."""
+    def hold(self, tokens: Sequence[int], match: PrefixMatch, holder: Holder) -> int:
+        """A prefill of ``tokens`` (after ``match``'s blocks) has run and its sequence goes on: its
+        cache now holds every full block of ``tokens``. The blocks not cached yet are added as held by
+        it (nothing copied; they take the room of its reservation); ``match``'s blocks that the cache
+        held a copy of hand it over (the copy is dropped). Returns the blocks added."""
         size = self.block_tokens
+        mine = self._held.setdefault(holder, [])
+        for block in match.blocks:
+            if block.holder is None:
+                self._take(block, holder, mine)
         parent = match.blocks[-1] if match.blocks else None
         key = parent.key if parent is not None else b""
-        held: list[CachedBlock] = []  # the chain so far, kept from eviction while it grows
         added = 0
-        try:
-            for start in range(len(match.blocks) * size, len(tokens) - size + 1, size):
-                ids = tuple(tokens[start:start + size])
-                key = _key(key, ids)
-                block = self._blocks.get(key)
-                if block is None or block.tokens != ids:
-                    if block is not None:  # a key collision: keep the one there, cache no further
-                        break
-                    if not self._make_room(room):
-                        break
-                    block = CachedBlock(key, ids, parent, extract(start, start + size))
-                    self._blocks[key] = block
-                    if parent is not None:
-                        parent.children += 1
-                    added += 1
-                else:
-                    self._blocks.move_to_end(key)
-                block.refs += 1
-                held.append(block)
-                parent = block
-        finally:
-            for block in held:
-                block.refs -= 1
+        for start in range(len(match.blocks) * size, len(tokens) - size + 1, size):
+            ids = tuple(tokens[start:start + size])
+            key = _key(key, ids)
+            block = self._blocks.get(key)
+            if block is None:
+                block = CachedBlock(key, ids, parent, start, None)
+                self._blocks[key] = block
+                if parent is not None:
+                    parent.children += 1
+                self._take(block, holder, mine)
+                added += 1
+            elif block.tokens != ids:  # a key collision: keep the one there, cache no further
+                break
+            else:
+                self._blocks.move_to_end(key)
+                if block.holder is None:
+                    self._take(block, holder, mine)
+            parent = block
+        if not mine:
+            del self._held[holder]
         return added
 
-    def _make_room(self, room: Callable[[int], bool]) -> bool:
-        while not room(self.block_bytes):
-            if not self.evict(1):
-                return False
-        return True
+    def _take(self, block: CachedBlock, holder: Holder, mine: list[CachedBlock]) -> None:
+        block.entries, block.holder = None, holder
+        mine.append(block)
+        self._held_count += 1
+
+    def hand_back(self, holder: Holder, read: ReadHeld) -> int:
+        """``holder`` ends: the blocks it held are copied out of its cache (``read``) into the cache's
+        own, in the room its reservation leaves (it held at least their positions). Returns how many."""
+        blocks = self._held.pop(holder, [])
+        for block in blocks:
+            block.entries, block.holder = read(holder, block.start, block.start + self.block_tokens), None
+        self._held_count -= len(blocks)
+        return len(blocks)
 
     def evict(self, blocks: int) -> int:
         """Drop up to ``blocks`` unused leaf blocks, least recently used first; returns how many went."""
@@ -185,7 +216,7 @@ class PrefixCache:
         for block in self._blocks.values():
             if len(victims) >= blocks:
                 break
-            if block.refs == 0 and block.children == 0:
+            if block.refs == 0 and block.children == 0 and block.holder is None:
                 victims.append(block)
         for block in victims:
             del self._blocks[block.key]
@@ -204,3 +235,5 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._held.clear()
+        self._held_count = 0

@@ -27,52 +27,80 @@ from models.decoder import BOS_ID, EOS_ID, PAD_ID, build_tiny_lm
 from protos.errors import InvalidArgument, Overloaded
 
 
-def entries(start: int, stop: int) -> object:
-    return (start, stop)
+def read(holder: object, start: int, stop: int) -> object:
+    """A holder's entries for positions ``start``..``stop``: here, naming them."""
+    return (holder, start, stop)
 
 
-def always(_size: int) -> bool:
-    return True
+def serve(cache: PrefixCache, prompt: Sequence[int], holder: object) -> int:
+    """One prompt's life: looked up, prefilled, held while it runs, handed back at its end; the blocks it added."""
+    match = cache.match(prompt, read)
+    cache.release(match)
+    added = cache.hold(prompt, match, holder)
+    cache.hand_back(holder, read)
+    return added
 
 
 def test_blocks_are_shared_only_by_prompts_agreeing_on_everything_before_them() -> None:
     cache = PrefixCache(4, 100)
     first = list(range(1, 14))  # 13 tokens: 3 full blocks
-    assert cache.store(first, cache.match(first), entries, always) == 3
+    assert serve(cache, first, "first") == 3
     same_opening = [*first[:8], 99, 98, 97, 96, 95]
-    assert cache.match(same_opening).tokens == 8  # the third block differs
+    assert cache.match(same_opening, read).tokens == 8  # the third block differs
     # The same ids in a later block after a different opening are a different prefix.
     shifted = [0, 0, 0, 0, *first[4:8], 7]
-    assert cache.match(shifted).tokens == 0
+    assert cache.match(shifted, read).tokens == 0
     # At least the last token is computed: a prompt of exactly the cached blocks reuses all but the last.
-    assert cache.match(first[:12]).tokens == 8
-    assert cache.match(first[:13]).tokens == 12
+    assert cache.match(first[:12], read).tokens == 8
+    assert cache.match(first[:13], read).tokens == 12
     stats = cache.stats()
-    assert (stats.blocks, stats.bytes, stats.queries, stats.hits) == (3, 300, 5, 3)
+    assert (stats.blocks, stats.bytes, stats.held_blocks, stats.queries, stats.hits) == (3, 300, 0, 5, 3)
     assert (stats.queried_tokens, stats.hit_tokens) == (13 + 13 + 9 + 12 + 13, 8 + 8 + 12)
 
 
 def test_least_recently_used_leaves_go_first_and_blocks_in_use_stay() -> None:
     cache = PrefixCache(2, 10)
     a, b = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]
-    cache.store(a, cache.match(a), entries, always)  # blocks a0 <- a1
-    cache.store(b, cache.match(b), entries, always)  # blocks b0 <- b1
-    cache.release(cache.match(a))  # a used again: b is now the oldest
-    held = cache.match(b)  # ...but in use
-    assert cache.evict(1) == 1  # a's leaf goes (b's blocks are held), never a parent before its child
-    again = cache.match(a)
+    serve(cache, a, "a")  # blocks a0 <- a1
+    serve(cache, b, "b")  # blocks b0 <- b1
+    cache.release(cache.match(a, read))  # a used again: b is now the oldest
+    kept = cache.match(b, read)  # ...but in use
+    assert cache.evict(1) == 1  # a's leaf goes (b's blocks are in use), never a parent before its child
+    again = cache.match(a, read)
     assert again.tokens == 2
     cache.release(again)
-    cache.release(held)
+    cache.release(kept)
     assert cache.evict(10) == 3
     assert cache.stats().blocks == 0 and cache.stats().evicted_blocks == 4
 
 
-def test_storing_stops_where_no_room_is_left() -> None:
+def test_a_running_sequence_holds_its_blocks_in_one_place() -> None:
     cache = PrefixCache(2, 10)
-    prompt = list(range(9))
-    assert cache.store(prompt, cache.match(prompt), entries, lambda size: cache.bytes + size <= 20) == 2
-    assert cache.match(prompt).tokens == 4
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # 3 full blocks
+    match = cache.match(prompt, read)
+    assert cache.hold(prompt, match, "first") == 3
+    cache.release(match)
+    # Held: cached, but their entries are the holder's (no bytes of the cache's own), and never evicted.
+    assert (cache.stats().blocks, cache.stats().held_blocks, cache.bytes) == (3, 3, 0)
+    assert cache.evict(3) == 0
+    # A prompt opening with them reads them out of the holder's cache.
+    second = [1, 2, 3, 4, 9, 9]
+    shared = cache.match(second, read)
+    assert shared.entries == (("first", 0, 2), ("first", 2, 4))
+    cache.release(shared)
+    assert cache.hold(second, shared, "second") == 1  # its own third block; the first two stay the first's
+    # The first ends: its blocks are copied out of its cache into the cache's own.
+    assert cache.hand_back("first", read) == 3
+    assert (cache.stats().held_blocks, cache.bytes) == (1, 30)
+    again = cache.match(prompt, read)
+    assert again.entries == (("first", 0, 2), ("first", 2, 4), ("first", 4, 6))  # the copies made at its end
+    cache.release(again)
+    # A sequence running on cached blocks takes them over: the cache drops its copy while it runs.
+    assert cache.hold(prompt, again, "third") == 0
+    assert (cache.stats().held_blocks, cache.bytes) == (4, 0)
+    assert cache.hand_back("third", read) == 3 and cache.hand_back("second", read) == 1
+    assert cache.match(prompt, read).entries[0] == ("third", 0, 2)
+    assert (cache.stats().blocks, cache.stats().held_blocks, cache.bytes) == (4, 0, 40)
 
 
 # ---- the scheduler over the real tiny_lm step --------------------------------------------
@@ -183,11 +211,13 @@ def test_cached_blocks_give_way_to_sequences(step: DecoderStep) -> None:
         # Room for one sequence of 200 positions: what the blocks of the first prompt take must go for the second.
         s = make(step, caching=True, max_cache_bytes=200 * per_token)
         await generate(s, SYSTEM + b"first", max_tokens=8)  # 124 + 8 positions reserved while it ran
-        assert s.stats().prefix.blocks == 4  # type: ignore[union-attr]  # what fit beside them: (200 - 132) // 16
+        # Its 7 full blocks, held in its own cache while it ran, copied out into the room it left.
+        assert s.stats().prefix.blocks == 7 and s.stats().prefix.held_blocks == 0  # type: ignore[union-attr]
         _, _, end = await generate(s, b"another prompt entirely " * 6, max_tokens=40)  # 145 + 40: the blocks go
         assert end.error is None and end.finish_reason in ("stop", "length")
         stats = s.stats().prefix
-        assert stats is not None and stats.evicted_blocks == 4 and stats.blocks == 0  # none fit beside its 185
+        assert stats is not None and stats.evicted_blocks == 7  # none fit beside its 185 positions
+        assert stats.blocks == 9 and stats.bytes == 9 * 16 * per_token  # its own 9, copied out at its end
         assert s.stats().reserved_cache_bytes == 0
         # Nothing cached can make room for a sequence that never fits: refused as before.
         with pytest.raises(InvalidArgument, match="need more cache"):
@@ -197,6 +227,45 @@ def test_cached_blocks_give_way_to_sequences(step: DecoderStep) -> None:
         with pytest.raises(Overloaded, match="at capacity"):
             s.admit([BOS_ID, 2], SamplingParams(max_tokens=100), lambda out: None, threading.Event(), bytes)
         s.close()
+
+    asyncio.run(main())
+
+
+def test_a_running_prefix_takes_its_room_once(step: DecoderStep) -> None:
+    """A sequence running on a cached opening holds its blocks in its own cache: the next prompt with
+    that opening reads them out of it, and its reservation needs no room the cache's copy would take."""
+    async def main() -> None:
+        per_token = 2 * 2 * 4 * 16 * 4
+        first, second = SYSTEM + QUESTIONS[0], SYSTEM + QUESTIONS[1]  # 143 and 136 tokens, 7 blocks shared
+        cold = make(step, caching=False)
+        want = await generate(cold, second, max_tokens=40)
+        # Room for the two sequences (183 + 176 positions) and 1 block more, not for a copy of the 7 blocks too.
+        recorded = Recorded(step)
+        s = make(recorded, caching=True, max_cache_bytes=(183 + 176 + 16) * per_token)
+        await generate(s, SYSTEM + b"warm up", max_tokens=8)
+        assert s.stats().prefix.blocks == 7  # type: ignore[union-attr]
+        running, ended = asyncio.Event(), asyncio.Event()
+
+        def emit(out: TokenOut) -> None:
+            if out.data is not None:
+                running.set()
+            else:
+                ended.set()
+
+        s.admit([BOS_ID, *first], SamplingParams(max_tokens=40, ignore_eos=True), emit, threading.Event(),
+                lambda t: bytes([t]) if t < 256 else b"")
+        await running.wait()
+        stats = s.stats().prefix
+        assert stats is not None and (stats.blocks, stats.held_blocks, stats.bytes) == (8, 8, 0)  # all in its cache
+        assert s.stats().running == 1 and not ended.is_set()  # 39 tokens to go
+        got = await generate(s, second, max_tokens=40)  # admitted beside it with no eviction
+        await ended.wait()
+        assert got[0] == want[0] and got[2].finish_reason == want[2].finish_reason
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5)  # read out of the first's cache: the same numbers
+        assert (112, 1 + len(second) - 112) in recorded.rows  # its prefill started after the 7 blocks
+        stats = s.stats().prefix
+        assert stats is not None and stats.evicted_blocks == 0 and stats.held_blocks == 0
+        assert stats.blocks == 8 + 1 and stats.bytes == 9 * 16 * per_token  # copied back out as each ended
 
     asyncio.run(main())
 

@@ -93,7 +93,7 @@ def test_worker_model_families_read_live_statistics() -> None:
 def test_generation_families_sum_a_model_s_schedulers() -> None:
     def instance(running: int, waiting: int) -> SimpleNamespace:
         prefix = PrefixStats(queried_tokens=50 * running, hit_tokens=32 * running, queries=2, hits=running,
-                             blocks=running, bytes=1024 * running, evicted_blocks=1)
+                             blocks=running, bytes=1024 * running, evicted_blocks=1, held_blocks=running - 1)
         stats = GenerationStats(running, waiting, cache_bytes=100 * running, reserved_cache_bytes=300 * running,
                                 tokens_generated=7, steps=3, prefix=prefix)
         return SimpleNamespace(generation_stats=lambda: stats)
@@ -112,6 +112,7 @@ def test_generation_families_sum_a_model_s_schedulers() -> None:
     assert samples[("infergate_generation_prefix_cache_hit_requests_total", m)] == 5
     assert samples[("infergate_generation_prefix_cache_evicted_blocks_total", m)] == 2
     assert samples[("infergate_generation_prefix_cache_blocks", m)] == 5
+    assert samples[("infergate_generation_prefix_cache_held_blocks", m)] == (3 - 1) + (2 - 1)
     assert samples[("infergate_generation_prefix_cache_bytes", m)] == 5 * 1024
     assert ("infergate_generation_tokens_total", frozenset({("model", "mlp"), ("version", "1")})) not in samples
 
