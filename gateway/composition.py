@@ -70,7 +70,7 @@ from gateway.requests.shared_memory import SharedMemoryRegistry
 from gateway.routing.choice import LeastLoaded, LocalFirst, ReplicaChooser
 from gateway.routing.light import RowCosts
 from gateway.routing.outlier import OutlierDetector
-from gateway.routing.prefix import PrefixAffinity, PrefixStreamRouting
+from gateway.routing.prefix import Balance, PrefixAffinity, PrefixStreamRouting
 from gateway.routing.retry_budget import RetryBudget
 from gateway.routing.router import Router
 from gateway.routing.sequences import SequenceRoutes
@@ -250,7 +250,9 @@ def build_cluster(config: GatewayConfig, local: LocalReplica | None = None) -> C
 def build_router(config: GatewayConfig, cluster: Cluster, *, local_first: bool = False) -> Router:
     retry = config.retry
     # Streams of generative models go where their prompt's prefix went (gateway.routing.prefix).
-    affinity = PrefixAffinity(LeastLoaded()) if config.prefix_routing else None
+    affinity = PrefixAffinity(LeastLoaded(), balance=Balance(config.prefix_balance_abs_threshold,
+                                                             config.prefix_balance_rel_threshold)) \
+        if config.prefix_routing else None
     chooser: ReplicaChooser = affinity or LeastLoaded()
     if local_first:  # the replica in this process while it has a free slot
         chooser = LocalFirst(chooser)

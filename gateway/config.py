@@ -284,6 +284,11 @@ def _validate(config: GatewayConfig) -> None:
     if not config.worker_keepalive_s * 1000 >= MIN_KEEPALIVE_TIME_MS:
         raise ConfigError(f"worker_keepalive_s must be at least {MIN_KEEPALIVE_TIME_MS / 1000:g} "
                           f"(infergate workers accept two pings a second), got {config.worker_keepalive_s}")
+    if not (isinstance(config.prefix_balance_abs_threshold, int) and config.prefix_balance_abs_threshold >= 0):
+        raise ConfigError(f"prefix_balance_abs_threshold must be an integer >= 0, "
+                          f"got {config.prefix_balance_abs_threshold!r}")
+    if not config.prefix_balance_rel_threshold >= 1:
+        raise ConfigError(f"prefix_balance_rel_threshold must be at least 1, got {config.prefix_balance_rel_threshold}")
     if not config.triton_keepalive_s > 0:
         raise ConfigError(f"triton_keepalive_s must be positive, got {config.triton_keepalive_s}")
     if config.local.enabled and not config.model_repository:

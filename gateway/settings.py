@@ -409,6 +409,11 @@ class GatewayConfig:
     # Streams of generative models go where their prompt's prefix went, to meet the worker's
     # prefix cache (gateway.routing.prefix); False: least loaded, as every other call.
     prefix_routing: bool = True
+    # Routing by prefix turns to the least busy worker while the route's is far busier: its load
+    # (streams held + the server's queue) more than this many above the least busy's...
+    prefix_balance_abs_threshold: int = 4
+    # ...and more than this many times it (SGLang's and vllm-router's balance_*_threshold).
+    prefix_balance_rel_threshold: float = 1.5
     max_request_bytes: int = 256 * 2**20
     shutdown_grace_s: float = 10.0
     # Triton's --strict-readiness: ready only while every model the gateway is

@@ -21,9 +21,10 @@ default least loaded) for every other call:
   turns to the shortest queue while its workers are imbalanced);
 - otherwise (a new prefix, its worker full, gone or already tried by this
   call) the candidate with the most free slots takes it, and the LRU
-  remembers it. While the load is balanced (the candidates' loads, streams
-  held and the server's queue, within :data:`BALANCE_SLACK` of each other
-  or within :data:`BALANCE_RATIO` times the least), the one with
+  remembers it. While the load is balanced (:class:`Balance`: the
+  candidates' loads, streams held and the server's queue, at most its
+  ``abs_threshold`` apart or the most at most ``rel_threshold`` times the
+  least), the one with
   the fewest prefixes routed to it takes it instead (SGLang's cache-aware
   router gives a new prefix to the worker with the smallest cache tree), so
   the prefixes, and the caches they fill, are split evenly rather than by
@@ -48,6 +49,7 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence, Set
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from tritonclient.grpc import service_pb2
 
@@ -66,11 +68,6 @@ MESSAGES_INPUT = "messages"  # a chat: its messages' JSON opens with the system 
 DEFAULT_PREFIX_BYTES = 64
 DEFAULT_ROUTES = 4096  # prefixes remembered (LRU)
 DEFAULT_MAX_SEQUENCES = 32  # the worker's default for a model without the parameter
-# Balanced load (new prefixes then go by fewest routed), as SGLang's router tells it: the candidates'
-# loads (streams held + the server's queue) at most BALANCE_SLACK apart, or the most at most
-# BALANCE_RATIO times the least.
-BALANCE_SLACK = 2
-BALANCE_RATIO = 1.5
 
 # (model, prefix key) of the streamed call being routed now; None outside one.
 _CURRENT: contextvars.ContextVar[tuple[str, bytes] | None] = contextvars.ContextVar("prefix_key", default=None)
@@ -105,6 +102,21 @@ def _prompt(request: service_pb2.ModelInferRequest, name: str = PROMPT_INPUT) ->
     return None if name == MESSAGES_INPUT else _prompt(request, MESSAGES_INPUT)
 
 
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """When the candidates' loads (streams held + the server's queue) count as balanced, as SGLang's and
+    vllm-router's cache-aware policy tell it: at most ``abs_threshold`` apart, or the most at most
+    ``rel_threshold`` times the least (their defaults are 64 and 1.5; 4 here, for workers whose steps
+    slow with each stream they add, as CPU ones do). Imbalanced, a prompt leaves its route's worker."""
+
+    abs_threshold: int = 4
+    rel_threshold: float = 1.5
+
+    def balanced(self, loads: Sequence[int]) -> bool:
+        most, least = max(loads), min(loads)
+        return most - least <= self.abs_threshold or most <= self.rel_threshold * least
+
+
 def generation_slots(worker: WorkerState, model: str) -> int | None:
     """The sequences ``worker`` admits at once for ``model``, or None when it is no generative model there."""
     served = worker.models.get(model)
@@ -119,10 +131,11 @@ def generation_slots(worker: WorkerState, model: str) -> int | None:
 class PrefixAffinity:
     """Generative streams to the worker that served their prompt's prefix, else the one with most free slots."""
 
-    def __init__(self, inner: ReplicaChooser, *, routes: int = DEFAULT_ROUTES) -> None:
+    def __init__(self, inner: ReplicaChooser, *, routes: int = DEFAULT_ROUTES, balance: Balance = Balance()) -> None:
         if routes < 1:
             raise ValueError("routes must be >= 1")
         self.inner = inner  # the rule for every other call, and among equals
+        self.balance = balance
         self._routes: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._routed: Counter[tuple[str, str]] = Counter()  # (model, address) -> prefixes routed there
         self._capacity = routes
@@ -151,7 +164,7 @@ class PrefixAffinity:
                 if w.address == address and w not in avoid and (free[w] or 0) > 0:
                     mine = _load(w, model, bounds)
                     least = min(_load(o, model, bounds) for o in candidates if o not in avoid and (free[o] or 0) > 0)
-                    if not _balanced([mine, least]):  # the route's worker far busier than the least busy
+                    if not self.balance.balanced([mine, least]):  # the route's worker far busier than the least busy
                         # Its worker is far busier than another: this prompt goes to the least busy (a cache
                         # miss there) and the route stays, as SGLang's router turns to the shortest queue.
                         self.diverted += 1
@@ -163,7 +176,7 @@ class PrefixAffinity:
         self.misses += 1
         pool = [w for w in candidates if w not in avoid] or candidates  # tried ones only when none else is left
         most = max(free[w] or 0 for w in pool)
-        if most > 0 and _balanced([_load(w, model, bounds) for w in pool]):
+        if most > 0 and self.balance.balanced([_load(w, model, bounds) for w in pool]):
             open_ = [w for w in pool if (free[w] or 0) > 0]
             fewest = min(self._routed[(model, w.address)] for w in open_)
             pool = [w for w in open_ if self._routed[(model, w.address)] == fewest]
@@ -195,11 +208,6 @@ def _load(worker: WorkerState, model: str, bounds: InflightBounds) -> int:
     """Streams of ``model`` on ``worker``: those it holds of this gateway and those its server queues."""
     waiting = int(worker.server_load.waiting) if worker.server_load is not None else 0
     return bounds.held(worker, model) + waiting
-
-
-def _balanced(loads: Sequence[int]) -> bool:
-    most, least = max(loads), min(loads)
-    return most - least <= BALANCE_SLACK or most <= BALANCE_RATIO * least
 
 
 def _free(worker: WorkerState, model: str, bounds: InflightBounds) -> int | None:

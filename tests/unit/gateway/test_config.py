@@ -179,3 +179,19 @@ def test_server_name_defaults_to_infergate_and_is_read_from_file_and_flag(tmp_pa
     add_arguments(parser)
     assert triton_overrides(parser.parse_args(["--server-name", "triton"]))["server_name"] == "triton"
     assert triton_overrides(parser.parse_args([]))["server_name"] is None
+
+
+def test_prefix_balance_thresholds_are_read_checked_and_reach_the_router(tmp_path: Path) -> None:
+    from gateway.composition import build_router
+    from gateway.fleet.cluster import Cluster
+    from gateway.routing.prefix import Balance, PrefixAffinity
+
+    default = load_config()
+    assert (default.prefix_balance_abs_threshold, default.prefix_balance_rel_threshold) == (4, 1.5)
+    config = load_config(write(tmp_path, "prefix_balance_abs_threshold: 64\nprefix_balance_rel_threshold: 2.0\n"))
+    chooser = build_router(config, Cluster([])).chooser
+    assert isinstance(chooser, PrefixAffinity) and chooser.balance == Balance(64, 2.0)
+    with pytest.raises(ConfigError, match="prefix_balance_abs_threshold must be an integer >= 0"):
+        load_config(write(tmp_path, "prefix_balance_abs_threshold: -1\n"))
+    with pytest.raises(ConfigError, match="prefix_balance_rel_threshold must be at least 1"):
+        load_config(write(tmp_path, "prefix_balance_rel_threshold: 0.5\n"))

@@ -16,7 +16,9 @@ from gateway.fleet.view import WorkerModel
 from gateway.routing.capacity import InflightBounds
 from gateway.routing.choice import LeastLoaded
 from gateway.routing.outlier import OutlierDetector
-from gateway.routing.prefix import BALANCE_SLACK, _CURRENT, PrefixAffinity, generation_slots, prompt_key
+from gateway.routing.prefix import _CURRENT, Balance, PrefixAffinity, generation_slots, prompt_key
+
+SLACK = Balance().abs_threshold  # the default: loads this far apart are balanced
 from gateway.settings import OutlierSettings, WorkerSpec
 
 MODEL = "lm"
@@ -96,14 +98,14 @@ def test_generation_slots_come_from_the_model_config() -> None:
 
 
 def test_a_shared_prefix_goes_back_to_the_worker_that_served_it() -> None:
-    a, b = worker("a:1"), worker("b:1")
+    a, b = worker("a:1", max_sequences=16), worker("b:1", max_sequences=16)
     chooser = PrefixAffinity(First())
     first = choose(chooser, b"system prompt: tell me a story", [b, a])
     assert first is b
-    for _ in range(BALANCE_SLACK):  # still b while the load stays balanced, even when a is idler
+    for _ in range(SLACK):  # still b while the load stays balanced, even when a is idler
         b.inflight += 1
         assert choose(chooser, b"system prompt: tell me a story", [a, b]) is b
-    assert chooser.hits == BALANCE_SLACK and chooser.misses == 1
+    assert chooser.hits == SLACK and chooser.misses == 1
     b.inflight += 1  # b far busier than a: this one goes to a, and the route stays on b
     assert choose(chooser, b"system prompt: tell me a story", [a, b]) is a
     assert chooser.diverted == 1
@@ -189,14 +191,31 @@ def test_other_models_calls_do_not_use_up_a_generative_models_streams() -> None:
 
 
 def test_under_balanced_load_new_prefixes_go_to_the_worker_with_fewest() -> None:
-    a, b = worker("a:1", max_sequences=8), worker("b:1", max_sequences=8)
+    a, b = worker("a:1", max_sequences=16), worker("b:1", max_sequences=16)
     a.inflight = 1  # b is a little idler, within the slack: the prefixes' count decides
     chooser = PrefixAffinity(First())
     assert choose(chooser, b"opening zero", [a, b]) is b
     assert choose(chooser, b"opening one", [a, b]) is a  # the old rule (most free) would say b again
     assert choose(chooser, b"opening two", [a, b]) is b  # one each: the freer
     assert choose(chooser, b"opening one", [a, b]) is a  # and each keeps its own
-    a.inflight, b.inflight = 6, 4  # loads BALANCE_SLACK apart: still balanced
+    a.inflight, b.inflight = 6, 4  # loads SLACK apart: still balanced
     assert choose(chooser, b"opening three", [a, b]) is a
-    a.inflight = 4 + BALANCE_SLACK + 1  # no longer: the freer takes it, however many prefixes it has
+    a.inflight = 4 + SLACK + 1  # no longer: the freer takes it, however many prefixes it has
     assert choose(chooser, b"opening four", [a, b]) is b
+
+
+def test_the_balance_thresholds_are_the_gateways_to_set() -> None:
+    a, b = worker("a:1", max_sequences=64), worker("b:1", max_sequences=64)
+    # SGLang's defaults: a route holds until its worker has 64 more streams than the least busy...
+    patient = PrefixAffinity(First(), balance=Balance(64, 1.5))
+    assert choose(patient, b"the opening", [b, a]) is b
+    b.inflight = 40
+    assert choose(patient, b"the opening", [a, b]) is b and patient.diverted == 0
+    # ...and more than 1.5 times as many: 3 against 2 is balanced by the ratio, whatever the gap allows.
+    strict = PrefixAffinity(First(), balance=Balance(0, 1.5))
+    a.inflight, b.inflight = 2, 0
+    assert choose(strict, b"the opening", [a, b]) is b  # new: the idler (b) takes it
+    a.inflight, b.inflight = 2, 3
+    assert choose(strict, b"the opening", [a, b]) is b and strict.diverted == 0
+    b.inflight = 4  # 4 against 2: over both
+    assert choose(strict, b"the opening", [a, b]) is a and strict.diverted == 1
