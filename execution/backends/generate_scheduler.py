@@ -44,9 +44,10 @@ a :class:`CachingStep`), a joiner's prefill starts after the cached blocks its
 prompt opens with (the row's past is their entries), and after it ran the
 sequence holds its prompt's full blocks: its cache is where their entries
 are while it runs (a prompt opening with them reads them out of it), and
-they are copied out into the prefix cache's own when it ends. The cache's
-own copies share ``max_cache_bytes`` with the sequences' reservations:
-admitting a sequence evicts unused blocks before refusing it.
+they are copied out into the prefix cache's own when the last sequence
+holding them ends. The cache's own copies share ``max_cache_bytes`` with
+the sequences' reservations: admitting a sequence evicts unused blocks
+before refusing it.
 
 A generation continues where another left off (its worker was lost) when it
 is admitted with ``resume``: the ids already sent. They are prefilled after

@@ -12,20 +12,20 @@ at most all but the prompt's last token (the prefill must compute at least
 one position, whose logits choose the first token). Its prefill then starts
 after them, with their entries as its past.
 
-A block's entries live in one place: in the cache's own copy, or in the
-cache of the running sequence whose positions they are (its *holder*).
-After a prefill its prompt's full blocks go to its sequence
+A block's entries live either in the cache's own copy or in the caches of
+the running sequences whose positions they are (its *holders*), never in
+both. After a prefill its prompt's full blocks go to its sequence
 (:meth:`PrefixCache.hold`): those not cached yet are added without a copy,
 and a cached block it read drops the cache's copy, since the sequence's own
 cache holds the same positions for as long as it runs. A prompt that opens
-with a held block reads its entries out of the holder's cache. When the
-holder ends, its blocks are copied out of its cache into the cache's own
-(:meth:`PrefixCache.hand_back`), into the room its reservation leaves (it
-held at least their positions). So a running sequence's prefix takes its
-room once, as in a paged cache, where a sequence's blocks are the cached
-ones; unlike one, two sequences running on the same opening each hold a
-copy (a step's past is one contiguous array per row), the second inside its
-own reservation.
+with a held block reads its entries out of a holder's cache. When a holder
+ends, the blocks no other running sequence holds are copied out of its
+cache into the cache's own (:meth:`PrefixCache.hand_back`), into the room
+its reservation leaves (it held at least their positions). So a running
+sequence's prefix takes its room once, as in a paged cache, where a
+sequence's blocks are the cached ones; unlike one, two sequences running on
+the same opening each hold a copy (a step's past is one contiguous array
+per row), each inside its own reservation.
 
 Each block counts the prefills using it now (``refs``); a block in use, a
 held block, or the parent of a cached block, is never evicted. The rest are
@@ -50,7 +50,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -70,8 +70,8 @@ class CachedBlock:
     tokens: tuple[int, ...]
     parent: CachedBlock | None
     start: int  # its first position in the prompt
-    entries: BlockEntries | None  # the cache's own copy; None while a holder's cache holds them
-    holder: Holder | None = None
+    entries: BlockEntries | None  # the cache's own copy; None while holders' caches hold them
+    holders: list[Holder] = field(default_factory=list)  # running sequences whose caches hold it
     refs: int = 0  # prefills using it now
     children: int = 0  # cached blocks whose parent it is
 
@@ -83,7 +83,7 @@ class PrefixStats:
     queries: int  # prompts looked up
     hits: int  # of those, with at least one cached block
     blocks: int  # cached now
-    bytes: int  # what the cache's own copies take (a held block's entries are in its holder's room)
+    bytes: int  # what the cache's own copies take (a held block's entries are in its holders' room)
     evicted_blocks: int
     held_blocks: int = 0  # of ``blocks``, those whose entries a running sequence's cache holds
 
@@ -91,7 +91,7 @@ class PrefixStats:
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """A prompt's cached opening: its blocks (in order, each kept until :meth:`PrefixCache.release`)
-    and their entries (a held block's read out of its holder's cache when it was matched)."""
+    and their entries (a held block's read out of a holder's cache when it was matched)."""
 
     blocks: tuple[CachedBlock, ...]
     entries: tuple[BlockEntries, ...]
@@ -135,7 +135,7 @@ class PrefixCache:
     def match(self, tokens: Sequence[int], read: ReadHeld) -> PrefixMatch:
         """The longest run of cached blocks ``tokens`` opens with, leaving at least its last token to
         compute; each block is kept (not evicted) until released. A held block's entries are
-        ``read`` out of its holder's cache."""
+        ``read`` out of a holder's cache."""
         size = self.block_tokens
         found: list[CachedBlock] = []
         key = b""
@@ -154,7 +154,7 @@ class PrefixCache:
         if found:
             self._hits += 1
             self._hit_tokens += len(found) * size
-        entries = tuple(b.entries if b.holder is None else read(b.holder, b.start, b.start + size) for b in found)
+        entries = tuple(read(b.holders[0], b.start, b.start + size) if b.holders else b.entries for b in found)
         return PrefixMatch(tuple(found), entries, size)
 
     def release(self, match: PrefixMatch) -> None:
@@ -163,14 +163,13 @@ class PrefixCache:
 
     def hold(self, tokens: Sequence[int], match: PrefixMatch, holder: Holder) -> int:
         """A prefill of ``tokens`` (after ``match``'s blocks) has run and its sequence goes on: its
-        cache now holds every full block of ``tokens``. The blocks not cached yet are added as held by
-        it (nothing copied; they take the room of its reservation); ``match``'s blocks that the cache
-        held a copy of hand it over (the copy is dropped). Returns the blocks added."""
+        cache now holds every full block of ``tokens``, and it becomes a holder of each. The blocks
+        not cached yet are added with no copy (they take the room of its reservation); a block the
+        cache held a copy of drops it. Returns the blocks added."""
         size = self.block_tokens
         mine = self._held.setdefault(holder, [])
         for block in match.blocks:
-            if block.holder is None:
-                self._take(block, holder, mine)
+            self._take(block, holder, mine)
         parent = match.blocks[-1] if match.blocks else None
         key = parent.key if parent is not None else b""
         added = 0
@@ -183,32 +182,38 @@ class PrefixCache:
                 self._blocks[key] = block
                 if parent is not None:
                     parent.children += 1
-                self._take(block, holder, mine)
                 added += 1
             elif block.tokens != ids:  # a key collision: keep the one there, cache no further
                 break
             else:
                 self._blocks.move_to_end(key)
-                if block.holder is None:
-                    self._take(block, holder, mine)
+            self._take(block, holder, mine)
             parent = block
         if not mine:
             del self._held[holder]
         return added
 
     def _take(self, block: CachedBlock, holder: Holder, mine: list[CachedBlock]) -> None:
-        block.entries, block.holder = None, holder
+        if holder in block.holders:
+            return
+        if not block.holders:  # its entries are in the holder's cache from now on
+            block.entries = None
+            self._held_count += 1
+        block.holders.append(holder)
         mine.append(block)
-        self._held_count += 1
 
     def hand_back(self, holder: Holder, read: ReadHeld) -> int:
-        """``holder`` ends: the blocks it held are copied out of its cache (``read``) into the cache's
-        own, in the room its reservation leaves (it held at least their positions). Returns how many."""
-        blocks = self._held.pop(holder, [])
-        for block in blocks:
-            block.entries, block.holder = read(holder, block.start, block.start + self.block_tokens), None
-        self._held_count -= len(blocks)
-        return len(blocks)
+        """``holder`` ends: the blocks no other running sequence holds are copied out of its cache
+        (``read``) into the cache's own, in the room its reservation leaves (it held at least their
+        positions). Returns how many were copied."""
+        copied = 0
+        for block in self._held.pop(holder, []):
+            block.holders.remove(holder)
+            if not block.holders:
+                block.entries = read(holder, block.start, block.start + self.block_tokens)
+                self._held_count -= 1
+                copied += 1
+        return copied
 
     def evict(self, blocks: int) -> int:
         """Drop up to ``blocks`` unused leaf blocks, least recently used first; returns how many went."""
@@ -216,7 +221,7 @@ class PrefixCache:
         for block in self._blocks.values():
             if len(victims) >= blocks:
                 break
-            if block.refs == 0 and block.children == 0 and block.holder is None:
+            if block.refs == 0 and block.children == 0 and not block.holders:
                 victims.append(block)
         for block in victims:
             del self._blocks[block.key]

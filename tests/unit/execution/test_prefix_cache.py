@@ -83,23 +83,25 @@ def test_a_running_sequence_holds_its_blocks_in_one_place() -> None:
     # Held: cached, but their entries are the holder's (no bytes of the cache's own), and never evicted.
     assert (cache.stats().blocks, cache.stats().held_blocks, cache.bytes) == (3, 3, 0)
     assert cache.evict(3) == 0
-    # A prompt opening with them reads them out of the holder's cache.
+    # A prompt opening with them reads them out of the holder's cache, and holds them too while it runs.
     second = [1, 2, 3, 4, 9, 9]
     shared = cache.match(second, read)
     assert shared.entries == (("first", 0, 2), ("first", 2, 4))
     cache.release(shared)
-    assert cache.hold(second, shared, "second") == 1  # its own third block; the first two stay the first's
-    # The first ends: its blocks are copied out of its cache into the cache's own.
-    assert cache.hand_back("first", read) == 3
-    assert (cache.stats().held_blocks, cache.bytes) == (1, 30)
+    assert cache.hold(second, shared, "second") == 1  # its own third block
+    # The first ends: what only it held is copied out of its cache; what the second holds stays there.
+    assert cache.hand_back("first", read) == 1
+    assert (cache.stats().blocks, cache.stats().held_blocks, cache.bytes) == (4, 3, 10)
     again = cache.match(prompt, read)
-    assert again.entries == (("first", 0, 2), ("first", 2, 4), ("first", 4, 6))  # the copies made at its end
+    assert again.entries == (("second", 0, 2), ("second", 2, 4), ("first", 4, 6))  # the copy made at its end
     cache.release(again)
-    # A sequence running on cached blocks takes them over: the cache drops its copy while it runs.
+    # A sequence running on a block the cache held a copy of takes it over: the copy is dropped.
     assert cache.hold(prompt, again, "third") == 0
     assert (cache.stats().held_blocks, cache.bytes) == (4, 0)
-    assert cache.hand_back("third", read) == 3 and cache.hand_back("second", read) == 1
-    assert cache.match(prompt, read).entries[0] == ("third", 0, 2)
+    assert cache.hand_back("third", read) == 1  # the third block, which only it held
+    assert cache.hand_back("second", read) == 3
+    assert cache.hand_back("second", read) == 0  # once only
+    assert cache.match(prompt, read).entries[0] == ("second", 0, 2)
     assert (cache.stats().blocks, cache.stats().held_blocks, cache.bytes) == (4, 0, 40)
 
 
@@ -239,29 +241,37 @@ def test_a_running_prefix_takes_its_room_once(step: DecoderStep) -> None:
         first, second = SYSTEM + QUESTIONS[0], SYSTEM + QUESTIONS[1]  # 143 and 136 tokens, 7 blocks shared
         cold = make(step, caching=False)
         want = await generate(cold, second, max_tokens=40)
-        # Room for the two sequences (183 + 176 positions) and 1 block more, not for a copy of the 7 blocks too.
+        assert want[2].completion_tokens >= 16  # so it runs on past the first's 12 tokens
+        # Room for the two sequences (155 + 176 positions) and 1 block more, not for a copy of the 7 blocks too.
         recorded = Recorded(step)
-        s = make(recorded, caching=True, max_cache_bytes=(183 + 176 + 16) * per_token)
+        s = make(recorded, caching=True, max_cache_bytes=(155 + 176 + 16) * per_token)
         await generate(s, SYSTEM + b"warm up", max_tokens=8)
         assert s.stats().prefix.blocks == 7  # type: ignore[union-attr]
         running, ended = asyncio.Event(), asyncio.Event()
+        at_its_end: list[tuple[int, int, int]] = []
 
         def emit(out: TokenOut) -> None:
             if out.data is not None:
                 running.set()
             else:
+                prefix = s.stats().prefix
+                assert prefix is not None
+                at_its_end.append((s.stats().running, prefix.held_blocks, prefix.bytes))
                 ended.set()
 
-        s.admit([BOS_ID, *first], SamplingParams(max_tokens=40, ignore_eos=True), emit, threading.Event(),
+        s.admit([BOS_ID, *first], SamplingParams(max_tokens=12, ignore_eos=True), emit, threading.Event(),
                 lambda t: bytes([t]) if t < 256 else b"")
         await running.wait()
         stats = s.stats().prefix
         assert stats is not None and (stats.blocks, stats.held_blocks, stats.bytes) == (8, 8, 0)  # all in its cache
-        assert s.stats().running == 1 and not ended.is_set()  # 39 tokens to go
+        assert s.stats().running == 1 and not ended.is_set()  # 11 tokens to go
         got = await generate(s, second, max_tokens=40)  # admitted beside it with no eviction
         await ended.wait()
         assert got[0] == want[0] and got[2].finish_reason == want[2].finish_reason
         np.testing.assert_allclose(got[1], want[1], atol=1e-5)  # read out of the first's cache: the same numbers
+        # When the first ended, the second still ran and held the 7 shared blocks (and its own eighth):
+        # only the first's own eighth block was copied out.
+        assert at_its_end == [(1, 8, 16 * per_token)]
         assert (112, 1 + len(second) - 112) in recorded.rows  # its prefill started after the 7 blocks
         stats = s.stats().prefix
         assert stats is not None and stats.evicted_blocks == 0 and stats.held_blocks == 0
