@@ -371,9 +371,11 @@ class Scheduler:
         while self._waiting and len(self._running) + len(joining) < self._batch:
             joining.append(self._waiting.popleft())
         if joining:
-            rows = [self._prefill_row(s) for s in joining]
-            self._running.extend(joining)  # counted as running (and held) from their prefill on
+            # Counted as running (and held) from their prefill on: should preparing it fail, the
+            # loop's end tells them so (a joiner in neither list would never be told).
+            self._running.extend(joining)
             try:
+                rows = [self._prefill_row(s) for s in joining]
                 await self._run_step(joining, rows, prefill=True)
             finally:
                 for sequence in joining:
@@ -393,8 +395,18 @@ class Scheduler:
         tokens = self._prefill_tokens(sequence)
         if self._prefix is None:
             return StepRow(tokens, 0, None)
-        sequence.prefix = match = self._prefix.match(tokens, self._read_held)
+        try:
+            sequence.prefix = match = self._prefix.match(tokens, self._read_held)
+        except Exception:  # a held block could not be read out: prefilled whole, the cache started over
+            self._drop_prefix_cache("read a cached block for a prefill")
+            return StepRow(tokens, 0, None)
         return StepRow(tokens[match.tokens:], match.tokens, match if match.blocks else None)
+
+    def _drop_prefix_cache(self, doing: str) -> None:
+        """A copy of a block failed (memory): the prefix cache starts empty, the sequences go on."""
+        logger.exception("model %s: could not %s; the prefix cache starts over empty", self.model, doing)
+        if self._prefix is not None:
+            self._prefix.clear()
 
     def _read_held(self, holder: object, start: int, stop: int) -> object:
         """Positions ``start``..``stop`` of a running sequence's cache, copied out (a block it holds)."""
@@ -515,7 +527,10 @@ class Scheduler:
             return
         self._reserved -= sequence.reserved_bytes
         if self._prefix is not None and sequence.cache is not None:
-            self._prefix.hand_back(sequence, self._read_held)  # into the room its reservation leaves
+            try:
+                self._prefix.hand_back(sequence, self._read_held)  # into the room its reservation leaves
+            except Exception:
+                self._drop_prefix_cache("keep the blocks of a sequence that ended")
         sequence.cache = None
         if error is not None:
             sequence.emit(TokenOut(error=error))

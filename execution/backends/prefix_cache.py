@@ -239,6 +239,7 @@ class PrefixCache:
             self.evict(want)
 
     def clear(self) -> None:
+        """Forget every block, held ones too (their holders' caches stay theirs); the counts stay."""
         self._blocks.clear()
         self._held.clear()
         self._held_count = 0

@@ -129,6 +129,24 @@ class Recorded:
         return self._step.extract(cache, start, stop)
 
 
+class Books(Recorded):
+    """The real step, checking before each that the scheduler's reservations and its prefix cache's own
+    copies fit within ``limit``."""
+
+    def __init__(self, step: DecoderStep, limit: int) -> None:
+        super().__init__(step)
+        self.limit = limit
+        self.scheduler: Scheduler | None = None
+        self.steps = 0
+
+    def __call__(self, rows: Sequence[StepRow]) -> list[tuple[np.ndarray, object]]:
+        assert self.scheduler is not None
+        stats = self.scheduler.stats()
+        assert stats.prefix is not None and stats.reserved_cache_bytes + stats.prefix.bytes <= self.limit
+        self.steps += 1
+        return super().__call__(rows)
+
+
 async def direct(call: Callable[[], object]) -> object:
     await asyncio.sleep(0)
     return call()
@@ -278,6 +296,107 @@ def test_a_running_prefix_takes_its_room_once(step: DecoderStep) -> None:
         assert stats.blocks == 8 + 1 and stats.bytes == 9 * 16 * per_token  # copied back out as each ended
 
     asyncio.run(main())
+
+
+def test_many_sequences_over_shared_openings_keep_the_books_and_the_tokens(step: DecoderStep) -> None:
+    """24 prompts over 3 openings, arriving in waves into a cache too small for them all, some cancelled
+    mid-run: every step keeps the reservations and the cache's own copies within max_cache_bytes, each
+    finished sequence generates its cold tokens (a cancelled one a prefix of them), and at the end nothing
+    is held or reserved."""
+    per_token = 2 * 2 * 4 * 16 * 4
+    openings = [SYSTEM, b"Rules: reply in French, briefly, and never repeat the question back. " * 2,
+                b"Context: the user is debugging a gRPC service that drops calls at startup. " * 2]
+    requests = [(openings[i % 3] + b"Q%d: tell me something?" % i, 4 + (i * 5) % 17, i % 5 == 2) for i in range(24)]
+    limit = 700 * per_token  # about 4 sequences and a few openings' blocks
+
+    async def main() -> None:
+        cold = make(step, caching=False)
+        want = {i: (await generate(cold, prompt, max_tokens=n))[0] for i, (prompt, n, _) in enumerate(requests)}
+        books = Books(step, limit)
+        s = books.scheduler = make(books, caching=True, max_cache_bytes=limit)
+        got: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            prompt, n, cancel = requests[i]
+            chunks: list[bytes] = []
+            done, stop = asyncio.Event(), threading.Event()
+
+            def emit(out: TokenOut) -> None:
+                if out.data is not None:
+                    chunks.append(out.data)
+                    if cancel and len(chunks) == 2:
+                        stop.set()  # the client goes away after two tokens
+                if out.finish_reason is not None or out.error is not None or stop.is_set():
+                    done.set()
+
+            for _ in range(2000):
+                try:
+                    s.admit([BOS_ID, *prompt], SamplingParams(max_tokens=n, logprobs=2), emit, stop,
+                            lambda t: bytes([t]) if t < 256 else b"")
+                    break
+                except Overloaded:  # at capacity: wait for a turn of the loop, as a client's retry would
+                    await asyncio.sleep(0)
+            else:
+                pytest.fail(f"request {i} found no room in 2000 turns: {s.stats()}")
+            await done.wait()
+            got[i] = b"".join(chunks)
+
+        for wave in range(0, 24, 6):
+            await asyncio.gather(*(one(i) for i in range(wave, wave + 6)))
+        for _ in range(5):  # the cancelled ones leave at the next step
+            await asyncio.sleep(0)
+        for i, (_, _, cancel) in enumerate(requests):
+            assert want[i].startswith(got[i]) if cancel else got[i] == want[i], i
+        stats, prefix = s.stats(), s.stats().prefix
+        assert prefix is not None and prefix.hits > 0 and prefix.evicted_blocks > 0  # shared, and squeezed
+        assert (stats.running, stats.waiting, stats.reserved_cache_bytes, prefix.held_blocks) == (0, 0, 0, 0)
+        assert prefix.bytes == prefix.blocks * 16 * per_token <= limit
+        assert books.steps > 24
+        s.close()
+
+    asyncio.run(main())
+
+
+class Unreadable(Recorded):
+    """The real step, whose caches cannot be read back out (as if copying a block ran out of memory)."""
+
+    def extract(self, cache: object, start: int, stop: int) -> object:
+        raise MemoryError("no room to copy a block")
+
+
+def test_a_block_that_cannot_be_copied_empties_the_cache_and_the_sequences_go_on(
+        step: DecoderStep, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    async def main() -> None:
+        cold = make(step, caching=False)
+        want = await generate(cold, SYSTEM + b"second", max_tokens=4)
+        s = make(Unreadable(step), caching=True)
+        ends: dict[str, TokenOut] = {}
+        started = asyncio.Event()
+
+        def first(out: TokenOut) -> None:
+            if out.data is not None:
+                started.set()
+            else:
+                ends["first"] = out
+
+        s.admit([BOS_ID, *SYSTEM, *b"first"], SamplingParams(max_tokens=30, ignore_eos=True), first,
+                threading.Event(), lambda t: bytes([t]) if t < 256 else b"")
+        await started.wait()
+        # The same opening: its blocks would be read out of the first's cache, which fails: prefilled whole.
+        text, _, end = await generate(s, SYSTEM + b"second", max_tokens=4)
+        assert (text, end.finish_reason, end.error) == (want[0], want[2].finish_reason, None)
+        for _ in range(1000):  # its 30 tokens: a few turns of the loop each
+            if "first" in ends:
+                break
+            await asyncio.sleep(0)
+        assert ends["first"].finish_reason == "length" and ends["first"].completion_tokens == 30
+        stats = s.stats()
+        assert stats.prefix is not None and (stats.prefix.blocks, stats.prefix.held_blocks) == (0, 0)
+        assert (stats.running, stats.reserved_cache_bytes) == (0, 0)
+        s.close()
+
+    asyncio.run(main())
+    assert "the prefix cache starts over empty" in caplog.text
 
 
 def config(**parameters: str) -> mc.ModelConfig:
