@@ -146,6 +146,7 @@ class PrefixCache:
             if block is None or block.tokens != ids:
                 break
             found.append(block)
+        entries = tuple(read(b.holders[0], b.start, b.start + size) if b.holders else b.entries for b in found)
         for block in found:
             block.refs += 1
             self._blocks.move_to_end(block.key)  # root first: a parent is older than its children
@@ -154,7 +155,6 @@ class PrefixCache:
         if found:
             self._hits += 1
             self._hit_tokens += len(found) * size
-        entries = tuple(read(b.holders[0], b.start, b.start + size) if b.holders else b.entries for b in found)
         return PrefixMatch(tuple(found), entries, size)
 
     def release(self, match: PrefixMatch) -> None:
@@ -167,6 +167,8 @@ class PrefixCache:
         not cached yet are added with no copy (they take the room of its reservation); a block the
         cache held a copy of drops it. Returns the blocks added."""
         size = self.block_tokens
+        if any(self._blocks.get(b.key) is not b for b in match.blocks):  # cleared since: held from the root
+            match = NO_MATCH
         mine = self._held.setdefault(holder, [])
         for block in match.blocks:
             self._take(block, holder, mine)

@@ -399,6 +399,64 @@ def test_a_block_that_cannot_be_copied_empties_the_cache_and_the_sequences_go_on
     assert "the prefix cache starts over empty" in caplog.text
 
 
+class Flaky(Recorded):
+    """The real step, whose copies out of a cache fail while ``failing`` is set."""
+
+    failing = False
+
+    def extract(self, cache: object, start: int, stop: int) -> object:
+        if self.failing:
+            raise MemoryError("no room to copy a block")
+        return super().extract(cache, start, stop)
+
+
+def test_a_joiner_beside_one_that_emptied_the_cache_keeps_the_books(step: DecoderStep) -> None:
+    """Two prompts join in one step: the first's blocks are the cache's copies, the second's must be read
+    out of a running sequence, which fails and empties the cache. The first's blocks are then gone from
+    the cache: it holds its prompt afresh, and the cache's bytes never go below what it holds."""
+    other = b"Context: the user is debugging a gRPC service that drops calls at startup. " * 2
+
+    async def main() -> None:
+        cold = make(step, caching=False)
+        want = [await generate(cold, SYSTEM + b"A?", max_tokens=6), await generate(cold, other + b"B?", max_tokens=6)]
+        flaky = Flaky(step)
+        s = make(flaky, caching=True)
+        await generate(s, SYSTEM + b"warm", max_tokens=2)  # SYSTEM's blocks: the cache's own copies
+        started = asyncio.Event()
+
+        def long(out: TokenOut) -> None:
+            started.set()
+
+        s.admit([BOS_ID, *other, *b"long"], SamplingParams(max_tokens=40, ignore_eos=True), long, threading.Event(),
+                bytes)
+        await started.wait()  # it holds other's blocks now
+        flaky.failing = True
+        both = asyncio.gather(generate(s, SYSTEM + b"A?", max_tokens=6), generate(s, other + b"B?", max_tokens=6))
+        for _ in range(1000):
+            stats = s.stats().prefix
+            assert stats is not None and stats.bytes >= 0 and stats.held_blocks <= stats.blocks
+            if s.stats().running == 3 and stats.held_blocks > 0:  # both prefilled, holding their prompts
+                break
+            await asyncio.sleep(0)
+        else:
+            pytest.fail("the two prompts never ran beside the long one")
+        flaky.failing = False
+        got = await both
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for _ in range(1000):
+            if s.stats().running == 0:
+                break
+            await asyncio.sleep(0)
+        else:
+            pytest.fail("the long sequence never ended")
+        stats = s.stats().prefix
+        assert stats is not None and stats.held_blocks == 0 and stats.bytes == stats.blocks * 16 * 2 * 2 * 4 * 16 * 4
+        assert stats.blocks >= 7 + 7  # both openings cached again, from the sequences that ran after the clear
+        s.close()
+
+    asyncio.run(main())
+
+
 def config(**parameters: str) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name="lm")
     for key, value in parameters.items():
