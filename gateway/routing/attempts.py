@@ -274,6 +274,8 @@ class AttemptRace(Generic[_W, _R]):
         if not policy.budget.try_acquire(failover=self._last_failover):
             if self._suspects:  # no confirming attempt: the cause goes back, no one is charged
                 raise self._suspects.cause
+            if self._last_busy and error is not None:  # a refusal for load: its words and retry hint go back
+                raise error
             log.warning("model %s: retry budget spent (%d extra attempts in flight); not retrying after: %s",
                         model, policy.budget.counters().extra_inflight, error)
             raise Unavailable(f"no replica of model '{model}' could serve the request; retries are "

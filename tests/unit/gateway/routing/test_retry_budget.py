@@ -11,7 +11,7 @@ import random
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.replicas.errors import ModelNotReady
+from gateway.replicas.errors import ModelNotReady, WorkerBusy
 from gateway.routing.retry_budget import Backoff, RetryBudget
 from gateway.routing.router import Router
 from gateway.settings import RetrySettings
@@ -144,5 +144,22 @@ async def test_batches_on_a_stopping_replica_all_move_when_the_budget_is_spent()
         fleet["b:1"].infer_results = [Unavailable("worker overloaded")]
         with pytest.raises(Unavailable, match="retries are limited"):
             await router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_load_refusal_with_the_budget_spent_goes_back_in_its_own_words() -> None:
+    """Under a burst every replica may be full and the budget spent: the caller hears the refusal (load,
+    with its retry hint), not that many requests fail."""
+    cluster, fleet = await started("a:1", "b:1")
+    a, b = cluster.workers()
+    router = Router(cluster, retry_backoff_s=0.0, retry_backoff_max_s=0.0,
+                    retry_budget=RetryBudget(budget_percent=0.0, min_concurrency=0))
+    fleet["a:1"].infer_results = [WorkerBusy("model 'm' is at capacity (32 sequences); retry later")]
+    try:
+        b.inflight = 1  # makes `a` the first choice
+        with pytest.raises(WorkerBusy, match="at capacity"):
+            await router.infer("m", "", service_pb2.ModelInferRequest(model_name="m"), None)
+        assert a.failures == 0  # load, charged to no one
     finally:
         await cluster.stop()
